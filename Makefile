@@ -1,0 +1,44 @@
+# One entry point. `make lab` sets up and opens the course; `make test` sets up and runs every test.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# The torch wheel to install when the venv has none. On a laptop without a GPU, the CPU-only
+# build is much smaller:  make lab TORCH_INDEX=https://download.pytorch.org/whl/cpu
+TORCH       ?= torch==2.13.0
+TORCH_INDEX ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup lab test test-gpu grade notebooks clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || \
+	  $(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/kvlab check
+	touch $@
+
+lab: setup
+	$(BIN)/jupyter lab notebooks/
+
+# Everything CI runs: unit, property, kernel (Triton interpreter), graded and notebook tests.
+test: setup
+	KVLAB_PROFILE=cpu $(BIN)/python -m pytest tests notebooks --nbval-lax -q $(PYTEST_ARGS)
+
+# On a machine with an NVIDIA GPU: the kernel tests at larger sizes, compiled natively.
+test-gpu: setup
+	KVLAB_PROFILE=gpu $(BIN)/python -m pytest tests -q $(PYTEST_ARGS)
+
+# Grade one chapter of your exercises:  make grade CH=ch02
+grade: setup
+	$(BIN)/kvlab grade $(CH)
+
+# Re-execute every notebook in place (on a GPU machine this records the GPU outputs).
+notebooks: setup
+	$(BIN)/python -m kvlab.notebooks run notebooks/*.ipynb
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,58 @@
+"""Shared helpers of the GPU benchmarks: timing, ceilings, tables, JSON."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+
+def bench(fn, warmup_ms: float = 50, rep_ms: float = 200) -> float:
+    """Median seconds of ``fn()`` on the GPU (CUDA events, via triton.testing.do_bench)."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") / 1e3
+
+
+def bench_host_loop(fn, repeat: int = 5) -> float:
+    """Median seconds of a host-driven loop (many small launches), synchronising around it."""
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * nbytes / bench(lambda: dst.copy_(src))
+
+
+def environment() -> dict:
+    props = torch.cuda.get_device_properties(0)
+    import triton
+
+    return {"gpu": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version(),
+            "date": time.strftime("%Y-%m-%d")}
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = [max(len(c), *(len(f"{r[c]}") for r in rows)) for c in columns]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for r in rows:
+        print("  ".join(f"{r[c]}".rjust(w) for c, w in zip(columns, widths)))
+
+
+def save(name: str, payload: dict, out_dir: str | None) -> None:
+    if out_dir:
+        path = Path(out_dir) / f"{name}.json"
+        path.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {path}")

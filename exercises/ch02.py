@@ -1,0 +1,103 @@
+"""Chapter 2 exercises: a block allocator, slot mapping, and the write-KV kernel.
+
+Fill in every function that raises NotImplementedError, then grade your work:
+
+    kvlab grade ch02                                 # in a terminal
+    kvlab.check("ch02")                              # in the notebook
+    pytest tests/graded -m ch02 --impl=exercises     # the same tests, raw
+
+Tasks: ``block_pool`` (BlockPool.allocate / append / free), ``slot_mapping``,
+``write_kv_kernel``. Stuck? ``kvlab.use_solution("ch02")`` swaps in the answer and keeps
+yours as ``exercises/ch02_mine.py``.
+"""
+from collections import deque
+
+import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
+import triton
+import triton.language as tl
+
+from kvlab.errors import OutOfBlocksError, UnknownSequenceError  # noqa: F401  (you will raise these)
+
+
+# -- task block_pool -----------------------------------------------------------------------
+class BlockPool:
+    """``num_blocks`` physical blocks of ``block_size`` token slots, shared by sequences.
+
+    State (given): ``free_blocks`` holds the ids of free blocks (take from the left, return
+    to the right); ``block_tables[seq_id]`` lists a sequence's physical blocks in order;
+    ``seq_lens[seq_id]`` counts its tokens.
+
+    Rules your methods must keep:
+    * a sequence holds exactly ceil(seq_len / block_size) blocks: take a new block only when
+      the last one is full;
+    * an error leaves the pool exactly as it was (check everything before changing anything);
+    * errors: ``OutOfBlocksError`` when too few blocks are free; ``UnknownSequenceError`` for
+      an id the pool does not hold; ``ValueError`` for a negative count, a count that could
+      never fit in the whole pool, or allocating an id that already exists; ``TypeError``
+      for a count that is not an int.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.free_blocks = deque(range(num_blocks))
+        self.block_tables: dict = {}
+        self.seq_lens: dict = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def block_table(self, seq_id) -> list[int]:
+        if seq_id not in self.block_tables:
+            raise UnknownSequenceError(f"unknown sequence id {seq_id!r}")
+        return list(self.block_tables[seq_id])
+
+    def allocate(self, seq_id, num_tokens: int) -> list[int]:
+        """Start sequence ``seq_id`` with ``num_tokens`` tokens; return its block table."""
+        raise NotImplementedError("BlockPool.allocate: take ceil(num_tokens / block_size) blocks "
+                                  "from the left of free_blocks")
+
+    def append(self, seq_id, num_tokens: int = 1) -> list[int]:
+        """Grow ``seq_id`` by ``num_tokens`` tokens; return the newly taken blocks (often [])."""
+        raise NotImplementedError("BlockPool.append: how many blocks does the new length need, "
+                                  "beyond those the sequence has?")
+
+    def free(self, seq_id) -> list[int]:
+        """Give every block of ``seq_id`` back (to the right of free_blocks); return them."""
+        raise NotImplementedError("BlockPool.free: return the table's blocks and forget the sequence")
+
+
+# -- task slot_mapping ---------------------------------------------------------------------
+def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size: int) -> list[int]:
+    """Physical slots of token positions ``start .. start + num_tokens - 1`` of one sequence.
+
+    Position ``pos`` lives in block ``block_table[pos // block_size]`` at offset
+    ``pos % block_size``. Raise ValueError if a position is beyond the table's blocks.
+    """
+    raise NotImplementedError("slot_mapping: slot = physical block * block_size + offset in block")
+
+
+# -- task write_kv_kernel ------------------------------------------------------------------
+@triton.jit
+def write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                    key_token_stride, value_token_stride, ROW: tl.constexpr, BLOCK: tl.constexpr):
+    """One program copies elements ``[pid1 * BLOCK, pid1 * BLOCK + BLOCK)`` of token ``pid0``.
+
+    * Token ``t``'s K row starts at ``key_ptr + t * key_token_stride`` and has ``ROW``
+      (= num_kv_heads * head_dim) contiguous elements; the same for V.
+    * Its slot is ``slot_mapping_ptr[t]`` (int64); slot ``s`` starts at element ``s * ROW``
+      of the flattened caches. A slot of -1 is padding: write nothing.
+    * Mask elements past ``ROW``.
+    """
+    raise NotImplementedError("write_kv_kernel: load the slot, load the K and V rows, store them "
+                              "at slot * ROW (masked; skip slot -1)")
+
+
+def write_kv(key, value, k_cache, v_cache, slot_mapping):
+    """Launch your kernel: key/value [num_tokens, num_kv_heads, head_dim] into the caches."""
+    num_tokens, row = key.shape[0], key.shape[1] * key.shape[2]
+    block = min(triton.next_power_of_2(row), 2048)
+    grid = (num_tokens, triton.cdiv(row, block))
+    write_kv_kernel[grid](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
+                          ROW=row, BLOCK=block)

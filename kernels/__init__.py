@@ -1,0 +1,9 @@
+"""The course's Triton kernels (installed as ``kvlab.kernels``).
+
+Import :mod:`kvlab` before triton: on a machine without CUDA it switches Triton to its CPU
+interpreter, so these kernels run everywhere on the same code path.
+"""
+import kvlab  # noqa: F401  (sets the profile before triton is imported)
+from kvlab.kernels.write_kv import write_kv
+
+__all__ = ["write_kv"]

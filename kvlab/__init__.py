@@ -1,0 +1,34 @@
+"""kvlab: build an LLM serving engine's KV cache, chapter by chapter.
+
+Importing kvlab first picks the profile (see :mod:`kvlab.profile`): without a CUDA device
+it sets ``TRITON_INTERPRET=1`` so the course's Triton kernels run on the CPU.
+"""
+from kvlab import profile  # must come first: it sets TRITON_INTERPRET before triton loads
+from kvlab.errors import KVLabError, OutOfBlocksError, UnknownSequenceError
+
+__version__ = "0.1.0"
+
+
+def check(chapter: str, impl: str = "exercises"):
+    """Grade a chapter's exercises in the notebook: prints pass/fail per task."""
+    from kvlab.grading import check as _check
+
+    return _check(chapter, impl=impl)
+
+
+def use_solution(chapter: str):
+    """Load a chapter's reference solution as your checkpoint (your version is kept)."""
+    from kvlab.grading import use_solution as _use_solution
+
+    return _use_solution(chapter)
+
+
+def doctor(verbose: bool = True) -> bool:
+    """Check the environment: versions, profile, a tiny Triton kernel against torch."""
+    from kvlab.doctor import doctor as _doctor
+
+    return _doctor(verbose=verbose)
+
+
+__all__ = ["profile", "KVLabError", "OutOfBlocksError", "UnknownSequenceError", "check", "use_solution",
+           "doctor"]

@@ -1,0 +1,16 @@
+"""Exceptions kvlab raises for conditions a caller may want to catch by type."""
+
+
+class KVLabError(Exception):
+    """Base class of kvlab's own exceptions."""
+
+
+class OutOfBlocksError(KVLabError):
+    """The block pool has too few free blocks for the request; nothing was changed."""
+
+
+class UnknownSequenceError(KVLabError, KeyError):
+    """A sequence id that the pool does not hold (never allocated, or already freed)."""
+
+    def __str__(self) -> str:  # KeyError would print the repr of the message
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,90 @@
+"""The paged KV cache tensors, and the batched slot mapping that addresses them.
+
+Layout, per layer, one tensor for K and one for V::
+
+    k_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
+
+Physical slot ``s`` is ``k_cache[layer].view(-1, num_kv_heads, head_dim)[s]``: block
+``s // block_size``, offset ``s % block_size``. A token's K (all its KV heads) is one
+contiguous run of ``num_kv_heads * head_dim`` elements, so writing a token is one
+contiguous store, and a block of tokens is one contiguous ``block_size * num_kv_heads *
+head_dim`` run that attention kernels read with wide loads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.paging.block_pool import check_count
+
+PAD_SLOT = -1  # a slot-mapping entry that writes nothing (padding tokens)
+
+
+@dataclass
+class KVCache:
+    """K and V caches of every layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        return self.k[0].shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def allocate_kv_cache(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float16,
+    device: str | torch.device = "cpu",
+) -> KVCache:
+    """Allocate (uninitialised) K and V caches for every layer."""
+    for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
+                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
+        check_count(name, value, minimum=1)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return KVCache(
+        k=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+        v=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
+    )
+
+
+def batch_slot_mapping(pool, requests, pad_to: int | None = None, device="cpu") -> torch.Tensor:
+    """One int64 tensor of slots for a batch's new tokens, in batch order.
+
+    ``requests`` is a list of ``(seq_id, start, num_tokens)``: the tokens at positions
+    ``start .. start + num_tokens - 1`` of each sequence. With ``pad_to``, the tensor is
+    padded with :data:`PAD_SLOT` to that length (fixed shapes, e.g. for CUDA graphs).
+    """
+    slots: list[int] = []
+    for seq_id, start, num_tokens in requests:
+        slots += pool.slot_mapping(seq_id, start, num_tokens)
+    if pad_to is not None:
+        if pad_to < len(slots):
+            raise ValueError(f"pad_to={pad_to} is shorter than the batch's {len(slots)} tokens")
+        slots += [PAD_SLOT] * (pad_to - len(slots))
+    return torch.tensor(slots, dtype=torch.int64, device=device)

@@ -1,0 +1,1 @@
+"""Reference answers to ``exercises/``: same functions, same signatures."""
