@@ -92,15 +92,15 @@ class BlockPool:
 
     def slot_mapping(self, seq_id, start: int, num_tokens: int) -> list[int]:
         """Physical slots of positions ``start .. start + num_tokens - 1`` of ``seq_id``."""
+        table = self._table(seq_id)
         check_count("start", start)
         check_count("num_tokens", num_tokens)
-        if start + num_tokens > self.seq_lens.get(seq_id, 0):
-            self._table(seq_id)
+        if start + num_tokens > self.seq_lens[seq_id]:
             raise ValueError(
                 f"positions {start}..{start + num_tokens - 1} are beyond sequence {seq_id!r} "
                 f"of length {self.seq_lens[seq_id]}"
             )
-        return slot_mapping(self.block_tables[seq_id], start, num_tokens, self.block_size)
+        return slot_mapping(table, start, num_tokens, self.block_size)
 
     # -- changes ------------------------------------------------------------------------
     def allocate(self, seq_id, num_tokens: int) -> list[int]:
