@@ -19,28 +19,25 @@ import torch  # noqa: E402
 import kvlab  # noqa: E402,F401
 from common import bench, bench_host_loop, copy_bandwidth, environment, print_table, save  # noqa: E402
 from kvlab.kernels import write_kv  # noqa: E402
-from kvlab.paging.seed_cache import SeedPagedAttentionCache  # noqa: E402
+from kvlab.paging.seed_cache import SeedPagedAttentionCache, append_tokens_one_by_one  # noqa: E402
 from kvlab.reference import write_kv_ref  # noqa: E402
 
 NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 4096, 16, 8, 128
 SEED_LOOP_MAX_TOKENS = 4096  # the per-token Python loop gets slow beyond this
 
 
-def seed_loop_seconds(key, value, slots) -> float:
-    """The seed article's cache, one append_token call per token (one layer)."""
+def seed_loop_seconds(key, value) -> float:
+    """The seed article's cache (one layer), written through its own per-token append_token."""
     cache = SeedPagedAttentionCache(NUM_BLOCKS, BLOCK_SIZE, num_layers=1, num_heads=HEADS, head_dim=DIM,
                                     dtype=key.dtype, device="cuda")
-    positions = slots.tolist()
+    keys, values = key[:, None], value[:, None]   # [tokens, layers=1, heads, dim]
 
-    def loop():
-        # Write token i at its slot directly: the seed's append_token per token, minus its
-        # allocation bookkeeping, which would only make it slower.
-        for i, slot in enumerate(positions):
-            block, offset = divmod(slot, BLOCK_SIZE)
-            cache.kv_cache[block, offset, 0, 0] = key[i]
-            cache.kv_cache[block, offset, 1, 0] = value[i]
+    def one_request():
+        cache.allocate_request(0)
+        append_tokens_one_by_one(cache, 0, keys, values)
+        cache.release_request(0)
 
-    return bench_host_loop(loop)
+    return bench_host_loop(one_request)
 
 
 def main() -> None:
@@ -61,7 +58,7 @@ def main() -> None:
         t_triton = bench(lambda: write_kv(key, value, k_cache, v_cache, slots, validate=False))
         t_checked = bench(lambda: write_kv(key, value, k_cache, v_cache, slots))
         t_torch = bench(lambda: write_kv_ref(key, value, k_cache, v_cache, slots))
-        t_seed = seed_loop_seconds(key, value, slots) if num_tokens <= SEED_LOOP_MAX_TOKENS else None
+        t_seed = seed_loop_seconds(key, value) if num_tokens <= SEED_LOOP_MAX_TOKENS else None
         rows.append({
             "tokens": num_tokens,
             "write_kv_us": round(t_triton * 1e6, 1),

@@ -4,6 +4,7 @@ Import :mod:`kvlab` before triton: on a machine without CUDA it switches Triton 
 interpreter, so these kernels run everywhere on the same code path.
 """
 import kvlab  # noqa: F401  (sets the profile before triton is imported)
+from kvlab.kernels.copy_blocks import copy_blocks
 from kvlab.kernels.write_kv import write_kv
 
-__all__ = ["write_kv"]
+__all__ = ["copy_blocks", "write_kv"]

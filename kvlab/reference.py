@@ -18,6 +18,14 @@ def write_kv_ref(key, value, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep]
 
 
+def copy_blocks_ref(caches, block_mapping) -> None:
+    """What :func:`kvlab.kernels.copy_blocks` does: ``cache[..., dst, :, :, :] = cache[..., src, :, :, :]``."""
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for cache in caches:
+        layers = cache if cache.dim() == 5 else cache.unsqueeze(0)
+        layers[:, dst] = layers[:, src]
+
+
 def gather_kv(cache: torch.Tensor, block_table, seq_len: int) -> torch.Tensor:
     """The first ``seq_len`` tokens of one sequence, read through its block table.
 

@@ -14,7 +14,7 @@ def test_allocate_kv_cache_shapes_and_dtype(dtype):
                               dtype=dtype)
     assert isinstance(cache, KVCache)
     assert len(cache.k) == len(cache.v) == 3
-    for t in cache.k + cache.v:
+    for t in [*cache.k, *cache.v]:
         assert t.shape == (7, 4, 2, 16)
         assert t.dtype == dtype
         assert t.device.type == "cpu"
@@ -37,7 +37,7 @@ def test_allocate_kv_cache_default_dtype_is_float16():
 def test_allocate_kv_cache_tensors_do_not_alias():
     cache = allocate_kv_cache(num_layers=2, num_blocks=3, block_size=2, num_kv_heads=2, head_dim=4,
                               dtype=torch.float32)
-    tensors = cache.k + cache.v
+    tensors = [*cache.k, *cache.v]
     assert len({t.data_ptr() for t in tensors}) == len(tensors)
     for i, t in enumerate(tensors):
         t.fill_(float(i))

@@ -4,6 +4,10 @@ Layout, per layer, one tensor for K and one for V::
 
     k_cache[layer]: [num_blocks, block_size, num_kv_heads, head_dim]
 
+All layers' K live in one tensor ``[num_layers, num_blocks, ...]`` (and V in another), so an
+operation on blocks of every layer, such as copying blocks for copy-on-write, is one launch
+per tensor; ``cache.k[layer]`` is the (contiguous) layer view the attention kernels read.
+
 Physical slot ``s`` is ``k_cache[layer].view(-1, num_kv_heads, head_dim)[s]``: block
 ``s // block_size``, offset ``s % block_size``. A token's K (all its KV heads) is one
 contiguous run of ``num_kv_heads * head_dim`` elements, so writing a token is one
@@ -23,34 +27,34 @@ PAD_SLOT = -1  # a slot-mapping entry that writes nothing (padding tokens)
 
 @dataclass
 class KVCache:
-    """K and V caches of every layer, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """K and V of every layer: ``k[layer]`` is ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
 
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
+    k: torch.Tensor  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
+    v: torch.Tensor
 
     @property
     def num_layers(self) -> int:
-        return len(self.k)
+        return self.k.shape[0]
 
     @property
     def num_blocks(self) -> int:
-        return self.k[0].shape[0]
+        return self.k.shape[1]
 
     @property
     def block_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k.shape[2]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.k[0].shape[2]
+        return self.k.shape[3]
 
     @property
     def head_dim(self) -> int:
-        return self.k[0].shape[3]
+        return self.k.shape[4]
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return 2 * self.k.numel() * self.k.element_size()
 
 
 def allocate_kv_cache(
@@ -66,11 +70,8 @@ def allocate_kv_cache(
     for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
         check_count(name, value, minimum=1)
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return KVCache(
-        k=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-        v=[torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)],
-    )
+    shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    return KVCache(k=torch.empty(shape, dtype=dtype, device=device), v=torch.empty(shape, dtype=dtype, device=device))
 
 
 def batch_slot_mapping(pool, requests, pad_to: int | None = None, device="cpu") -> torch.Tensor:
