@@ -4,7 +4,7 @@ Importing kvlab first picks the profile (see :mod:`kvlab.profile`): without a CU
 it sets ``TRITON_INTERPRET=1`` so the course's Triton kernels run on the CPU.
 """
 from kvlab import profile  # must come first: it sets TRITON_INTERPRET before triton loads
-from kvlab.errors import KVLabError, OutOfBlocksError, UnknownSequenceError
+from kvlab.errors import KVLabError, OutOfBlocksError, SharedBlockWriteError, UnknownSequenceError
 
 __version__ = "0.1.0"
 
@@ -30,5 +30,5 @@ def doctor(verbose: bool = True) -> bool:
     return _doctor(verbose=verbose)
 
 
-__all__ = ["profile", "KVLabError", "OutOfBlocksError", "UnknownSequenceError", "check", "use_solution",
+__all__ = ["profile", "KVLabError", "OutOfBlocksError", "SharedBlockWriteError", "UnknownSequenceError", "check", "use_solution",
            "doctor"]

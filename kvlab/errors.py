@@ -14,3 +14,7 @@ class UnknownSequenceError(KVLabError, KeyError):
 
     def __str__(self) -> str:  # KeyError would print the repr of the message
         return str(self.args[0]) if self.args else ""
+
+
+class SharedBlockWriteError(KVLabError):
+    """A write to a block that other sequences share, bypassing copy-on-write; nothing was written."""

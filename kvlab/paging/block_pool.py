@@ -7,14 +7,27 @@ so token ``pos`` lives in block ``block_table[pos // block_size]`` at offset
 pos % block_size``. Blocks are taken from a free queue only when a sequence's last block is
 full, so at most ``block_size - 1`` slots per sequence are ever wasted.
 
+Sharing (chapters 3 and 4) adds three things:
+
+* **reference counts**: ``fork`` lets a child share every block of its parent; a block goes
+  back to the free queue when its last holder frees it;
+* **copy-on-write**: appending to a sequence whose partly filled last block is shared first
+  moves it to a private copy and records ``(src, dst)`` in ``pending_copies``, which the
+  engine hands to :func:`kvlab.kernels.copy_blocks` before the next forward pass;
+* **prefix caching** (``enable_prefix_caching=True``): every full block is registered under
+  its chained hash (:mod:`kvlab.paging.prefix_hash`); a new sequence reuses the longest run of
+  cached blocks that starts its prompt; freed cached blocks stay reusable until evicted,
+  least recently freed first (a sequence's tail before its head).
+
 Every method checks its arguments and the free count *before* changing anything: an error
 leaves the pool exactly as it was.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 
-from kvlab.errors import OutOfBlocksError, UnknownSequenceError
+from kvlab.errors import OutOfBlocksError, SharedBlockWriteError, UnknownSequenceError
+from kvlab.paging.prefix_hash import hash_blocks
 
 
 def check_count(name: str, value, *, minimum: int = 0) -> int:
@@ -54,23 +67,35 @@ class BlockPool:
     [6, 7, 8]
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16):
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
         check_count("num_blocks", num_blocks, minimum=1)
         check_count("block_size", block_size, minimum=1)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_blocks: deque[int] = deque(range(num_blocks))  # O(1) at both ends
+        self.free_blocks: deque[int] = deque(range(num_blocks))  # free, holding no cached KV
+        self.ref_counts = [0] * num_blocks
         self.block_tables: dict[object, list[int]] = {}
         self.seq_lens: dict[object, int] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), not yet copied
+        # prefix caching
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_hashes: list[bytes | None] = [None] * num_blocks
+        self.cached_blocks: dict[bytes, int] = {}                 # hash -> block holding that KV
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # free but cached, least recent first
+        self.seq_tokens: dict[object, list[int]] = {}
+        self.seq_salts: dict[object, object] = {}
+        self.seq_hashes: dict[object, list[bytes]] = {}           # hashes of its full blocks
+        self.num_cached_tokens: dict[object, int] = {}            # prompt tokens found in the cache
 
     # -- queries ------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation can take: never-cached free blocks plus evictable cached ones."""
+        return len(self.free_blocks) + len(self.evictable)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.num_free_blocks
 
     @property
     def capacity(self) -> int:
@@ -91,7 +116,11 @@ class BlockPool:
         return self._new_blocks_for(seq_id, num_tokens) <= self.num_free_blocks
 
     def slot_mapping(self, seq_id, start: int, num_tokens: int) -> list[int]:
-        """Physical slots of positions ``start .. start + num_tokens - 1`` of ``seq_id``."""
+        """Physical slots to *write* positions ``start .. start + num_tokens - 1`` of ``seq_id``.
+
+        Refuses slots in a block other sequences share: writing there would change what
+        they read (``append`` copies such a block first).
+        """
         table = self._table(seq_id)
         check_count("start", start)
         check_count("num_tokens", num_tokens)
@@ -100,40 +129,130 @@ class BlockPool:
                 f"positions {start}..{start + num_tokens - 1} are beyond sequence {seq_id!r} "
                 f"of length {self.seq_lens[seq_id]}"
             )
+        written_blocks = range(start // self.block_size, blocks_needed(start + num_tokens, self.block_size))
+        for i in written_blocks if num_tokens else ():
+            if self.ref_counts[table[i]] > 1:
+                raise SharedBlockWriteError(
+                    f"position {max(start, i * self.block_size)} of sequence {seq_id!r} is in block {table[i]}, "
+                    f"shared by {self.ref_counts[table[i]]} sequences: writing it would bypass copy-on-write"
+                )
         return slot_mapping(table, start, num_tokens, self.block_size)
 
     # -- changes ------------------------------------------------------------------------
-    def allocate(self, seq_id, num_tokens: int) -> list[int]:
-        """Start sequence ``seq_id`` with room for ``num_tokens`` tokens; returns its block table."""
+    def allocate(self, seq_id, num_tokens: int, token_ids=None, salt=None) -> list[int]:
+        """Start sequence ``seq_id`` with room for ``num_tokens`` tokens; returns its block table.
+
+        With prefix caching, ``token_ids`` (the prompt) are required: the longest run of
+        cached full blocks that starts the prompt is reused, at most ``num_tokens - 1``
+        tokens' worth, so the last prompt token is always computed (its logits are needed).
+        ``num_cached_tokens[seq_id]`` says how many tokens were found.
+        """
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it first")
-        self.block_tables[seq_id] = []
-        self.seq_lens[seq_id] = 0
-        try:
-            self.append(seq_id, num_tokens)
-        except Exception:
-            del self.block_tables[seq_id], self.seq_lens[seq_id]
-            raise
+        check_count("num_tokens", num_tokens)
+        self._check_capacity(seq_id, num_tokens)
+        hits, hashes = [], []
+        if self.enable_prefix_caching:
+            self._check_token_ids(token_ids, num_tokens)
+            hashes = hash_blocks(token_ids, self.block_size, salt)
+            hits = self._cached_prefix(hashes[:(num_tokens - 1) // self.block_size] if num_tokens else [])
+        needed = blocks_needed(num_tokens, self.block_size) - len(hits)
+        available = self.num_free_blocks - sum(1 for b in hits if b in self.evictable)
+        if needed > available:
+            raise OutOfBlocksError(f"sequence {seq_id!r} needs {needed} more blocks, {available} are free")
+        for block in hits:
+            self._hold(block)
+        self.block_tables[seq_id] = hits + [self._take_free_block() for _ in range(needed)]
+        self.seq_lens[seq_id] = num_tokens
+        if self.enable_prefix_caching:
+            self.seq_tokens[seq_id] = [int(t) for t in token_ids]
+            self.seq_salts[seq_id] = salt
+            self.seq_hashes[seq_id] = []
+            self.num_cached_tokens[seq_id] = len(hits) * self.block_size
+            self._register_full_blocks(seq_id, hashes)
         return self.block_table(seq_id)
 
-    def append(self, seq_id, num_tokens: int = 1) -> list[int]:
-        """Grow ``seq_id`` by ``num_tokens`` slots; returns the blocks newly taken (often none)."""
+    def append(self, seq_id, num_tokens: int = 1, token_ids=None) -> list[int]:
+        """Grow ``seq_id`` by ``num_tokens`` slots; returns the blocks newly taken (often none).
+
+        If the last block is partly filled and shared, it is first replaced by a private
+        copy (copy-on-write): the pair is recorded in ``pending_copies``. With prefix caching,
+        ``token_ids`` of the new tokens are required, so filled blocks can be hashed.
+        """
         needed = self._new_blocks_for(seq_id, num_tokens)
         if needed > self.num_free_blocks:
             raise OutOfBlocksError(
                 f"sequence {seq_id!r} needs {needed} more blocks, {self.num_free_blocks} are free"
             )
-        new_blocks = [self.free_blocks.popleft() for _ in range(needed)]
-        self.block_tables[seq_id].extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._check_token_ids(token_ids, num_tokens)
+        table = self.block_tables[seq_id]
+        new_blocks = []
+        if self._needs_copy_on_write(seq_id, num_tokens):
+            shared = table[-1]
+            table[-1] = self._take_free_block()
+            self.ref_counts[shared] -= 1          # still >= 1: others hold it
+            self.pending_copies.append((shared, table[-1]))
+            new_blocks.append(table[-1])
+        grown = [self._take_free_block() for _ in range(needed - len(new_blocks))]
+        table.extend(grown)
         self.seq_lens[seq_id] += num_tokens
-        return new_blocks
+        if self.enable_prefix_caching:
+            self.seq_tokens[seq_id] += [int(t) for t in token_ids]
+            self._register_full_blocks(seq_id)
+        return new_blocks + grown
+
+    def fork(self, parent, child) -> list[int]:
+        """Make ``child`` a new sequence sharing every block of ``parent``; returns its table."""
+        table = self._table(parent)
+        if child in self.block_tables:
+            raise ValueError(f"sequence {child!r} already exists: fork needs a new id")
+        for block in table:
+            self.ref_counts[block] += 1
+        self.block_tables[child] = list(table)
+        self.seq_lens[child] = self.seq_lens[parent]
+        if self.enable_prefix_caching:
+            self.seq_tokens[child] = list(self.seq_tokens[parent])
+            self.seq_salts[child] = self.seq_salts[parent]
+            self.seq_hashes[child] = list(self.seq_hashes[parent])
+            self.num_cached_tokens[child] = self.num_cached_tokens[parent]
+        return list(table)
 
     def free(self, seq_id) -> list[int]:
-        """Return every block of ``seq_id`` to the free queue; returns them."""
-        blocks = self._table(seq_id)
-        del self.block_tables[seq_id], self.seq_lens[seq_id]
-        self.free_blocks.extend(blocks)
-        return blocks
+        """Drop ``seq_id``'s hold on its blocks; returns those nobody holds any more.
+
+        Released blocks that carry a cached hash stay reusable (evictable), tail first, so
+        that under memory pressure a sequence's tail is evicted before its shared head.
+        """
+        table = self._table(seq_id)
+        for attrs in (self.block_tables, self.seq_lens, self.seq_tokens, self.seq_salts, self.seq_hashes,
+                      self.num_cached_tokens):
+            attrs.pop(seq_id, None)
+        released = []
+        for block in table:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                released.append(block)
+        for block in reversed(released):
+            if self.block_hashes[block] is not None:
+                self.evictable[block] = None
+        self.free_blocks.extend(b for b in released if self.block_hashes[b] is None)
+        return released
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The copy-on-write pairs recorded since the last call, for ``copy_blocks``."""
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash. Only possible when no block is in use: returns success."""
+        if any(self.ref_counts):
+            return False
+        self.cached_blocks.clear()
+        self.block_hashes = [None] * self.num_blocks
+        self.free_blocks.extend(self.evictable)
+        self.evictable.clear()
+        return True
 
     # -- helpers ------------------------------------------------------------------------
     def _table(self, seq_id) -> list[int]:
@@ -142,13 +261,73 @@ class BlockPool:
         except KeyError:
             raise UnknownSequenceError(f"unknown sequence id {seq_id!r} (never allocated, or freed)") from None
 
+    def _check_capacity(self, seq_id, num_tokens: int) -> None:
+        if num_tokens > self.capacity:
+            raise ValueError(
+                f"sequence {seq_id!r} would hold {num_tokens} tokens, more than the pool's "
+                f"{self.capacity} slots ({self.num_blocks} blocks x {self.block_size})"
+            )
+
+    def _check_token_ids(self, token_ids, num_tokens: int) -> None:
+        if token_ids is None or len(token_ids) != num_tokens:
+            got = "none" if token_ids is None else len(token_ids)
+            raise ValueError(f"with prefix caching, token_ids must give the {num_tokens} new tokens, got {got}")
+
+    def _needs_copy_on_write(self, seq_id, num_tokens: int) -> bool:
+        table, length = self.block_tables[seq_id], self.seq_lens[seq_id]
+        return num_tokens > 0 and length % self.block_size != 0 and self.ref_counts[table[-1]] > 1
+
     def _new_blocks_for(self, seq_id, num_tokens: int) -> int:
         check_count("num_tokens", num_tokens)
         table = self._table(seq_id)
         new_len = self.seq_lens[seq_id] + num_tokens
-        if new_len > self.capacity:
-            raise ValueError(
-                f"sequence {seq_id!r} would hold {new_len} tokens, more than the pool's "
-                f"{self.capacity} slots ({self.num_blocks} blocks x {self.block_size})"
-            )
-        return blocks_needed(new_len, self.block_size) - len(table)
+        self._check_capacity(seq_id, new_len)
+        cow = self._needs_copy_on_write(seq_id, num_tokens)
+        return blocks_needed(new_len, self.block_size) - len(table) + cow
+
+    def _take_free_block(self) -> int:
+        """A free block for new KV: a never-cached one if any, else evict the least recent."""
+        if self.free_blocks:
+            block = self.free_blocks.popleft()
+        else:
+            block, _ = self.evictable.popitem(last=False)
+            self._uncache(block)
+        self.ref_counts[block] = 1
+        return block
+
+    def _hold(self, block: int) -> None:
+        """One more holder for a cached block; a freed one is revived, hash and all."""
+        self.evictable.pop(block, None)
+        self.ref_counts[block] += 1
+
+    def _cached_prefix(self, hashes: list[bytes]) -> list[int]:
+        blocks = []
+        for h in hashes:
+            block = self.cached_blocks.get(h)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _register_full_blocks(self, seq_id, hashes: list[bytes] | None = None) -> None:
+        """Hash the full blocks of ``seq_id`` not hashed yet, and cache them under those hashes."""
+        done, bs = self.seq_hashes[seq_id], self.block_size
+        num_full = self.seq_lens[seq_id] // bs
+        if hashes is None:
+            parent = done[-1] if done else None
+            tokens = self.seq_tokens[seq_id][len(done) * bs:num_full * bs]
+            hashes = done + hash_blocks(tokens, bs, self.seq_salts[seq_id], parent)
+        table = self.block_tables[seq_id]
+        for i in range(len(done), num_full):
+            if hashes[i] not in self.cached_blocks:   # an equal block cached earlier wins
+                self.cached_blocks[hashes[i]] = table[i]
+                self.block_hashes[table[i]] = hashes[i]
+        self.seq_hashes[seq_id] = hashes[:num_full]
+
+    def _uncache(self, block: int) -> None:
+        """Evict: the block's hash stops naming it. Its descendants' hashes chain through this
+        hash, so no lookup can reach them any more: no cascade walk is needed."""
+        h = self.block_hashes[block]
+        if h is not None and self.cached_blocks.get(h) == block:
+            del self.cached_blocks[h]
+        self.block_hashes[block] = None
