@@ -15,7 +15,7 @@ want() { [[ " $steps " == *" all "* || " $steps " == *" $1 "* ]]; }
 
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
+  export PYTHONPATH=/tmp/site JUPYTER_PATH=/tmp/site/share/jupyter PATH=/tmp/site/bin:$PATH
 fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/logs/install.log" 2>&1 \
   || { echo "editable install failed (see install.log); using PYTHONPATH"; ln -sfn ../kernels kvlab/kernels; }

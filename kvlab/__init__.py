@@ -16,6 +16,13 @@ def check(chapter: str, impl: str = "exercises"):
     return _check(chapter, impl=impl)
 
 
+def load_exercise(chapter: str):
+    """Your ``exercises/chNN.py``, freshly re-read: ``mine = kvlab.load_exercise("ch02")``."""
+    from kvlab.grading import load_chapter
+
+    return load_chapter(chapter, "exercises", reload=True)
+
+
 def use_solution(chapter: str):
     """Load a chapter's reference solution as your checkpoint (your version is kept)."""
     from kvlab.grading import use_solution as _use_solution
@@ -30,5 +37,5 @@ def doctor(verbose: bool = True) -> bool:
     return _doctor(verbose=verbose)
 
 
-__all__ = ["profile", "KVLabError", "OutOfBlocksError", "SharedBlockWriteError", "UnknownSequenceError", "check", "use_solution",
-           "doctor"]
+__all__ = ["profile", "KVLabError", "OutOfBlocksError", "SharedBlockWriteError", "UnknownSequenceError", "check", "load_exercise",
+           "use_solution", "doctor"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.metadata as metadata
 import os
 import platform
-import sys
 from pathlib import Path
 
 import torch
@@ -23,8 +22,11 @@ def _version(name: str) -> str:
 
 def widget_extension_installed() -> bool:
     """JupyterLab's widget manager must be installed for step-through sliders to render."""
-    rel = Path("share/jupyter/labextensions/@jupyter-widgets/jupyterlab-manager")
-    return any((Path(prefix) / rel).is_dir() for prefix in {sys.prefix, sys.base_prefix, "/usr/local", "/usr"})
+    try:
+        from jupyter_core.paths import jupyter_path
+    except ImportError:
+        return False
+    return any((Path(d) / "@jupyter-widgets" / "jupyterlab-manager").is_dir() for d in jupyter_path("labextensions"))
 
 
 def triton_smoke_test() -> tuple[bool, str]:
@@ -50,7 +52,7 @@ def doctor(verbose: bool = True) -> bool:
         ok &= good
         lines.append(f"  {'ok ' if good else 'BAD'}  {label:<22} {value}")
 
-    row("python", f"{platform.python_version()} ({sys.executable})")
+    row("python", platform.python_version())
     for name in PACKAGES:
         version = _version(name)
         row(name, version, version != "missing")

@@ -31,8 +31,11 @@ def _check_chapter(chapter: str) -> str:
     return chapter
 
 
-def load_chapter(chapter: str, impl: str = "exercises"):
-    """The module ``exercises.chNN`` (your code) or ``solutions.chNN`` (the answers)."""
+def load_chapter(chapter: str, impl: str = "exercises", reload: bool = False):
+    """The module ``exercises.chNN`` (your code) or ``solutions.chNN`` (the answers).
+
+    ``reload=True`` re-reads the file, so a notebook sees your latest edits.
+    """
     _check_chapter(chapter)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -41,7 +44,8 @@ def load_chapter(chapter: str, impl: str = "exercises"):
                                 "from a checkout of the course (pip install -e .)")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    return importlib.import_module(f"{impl}.{chapter}")
+    module = importlib.import_module(f"{impl}.{chapter}")
+    return importlib.reload(module) if reload else module
 
 
 @dataclass

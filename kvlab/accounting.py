@@ -1,0 +1,302 @@
+"""KV memory accounting: how many bytes a model's KV cache takes, and how much fits on a GPU.
+
+Every decoder layer caches one key and one value vector per KV head for every token it has
+seen, so a token costs, over the whole model::
+
+    kv_bytes_per_token = 2 (K and V) * num_layers * num_kv_heads * head_dim * bytes_per_element
+
+Grouped-query attention (GQA) shrinks ``num_kv_heads`` below ``num_heads`` and the cache
+with it: Llama-3-70B has 64 query heads but 8 KV heads, so it caches 8x less per token than
+the same model with multi-head attention (MHA) would.
+
+Units: ``GB`` is 10^9 bytes and ``GiB`` is 2^30 bytes; they differ by 7.4%, and mixing them
+is the most common slip in memory arithmetic. :func:`format_bytes` prints both.
+"""
+from __future__ import annotations
+
+import json
+import numbers
+from dataclasses import dataclass
+from pathlib import Path
+
+GiB = 2**30
+GB = 10**9
+
+
+def check_int(name: str, value, minimum: int = 1) -> int:
+    """``value`` as an int >= ``minimum``, or a TypeError/ValueError that names ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+# -- model specs --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelSpec:
+    """The shape of a decoder-only transformer, as far as memory is concerned.
+
+    ``mlp_matrices`` is 3 for a SwiGLU MLP (gate, up, down: Llama, Mistral, Qwen) and 2 for
+    a classic MLP (up, down: GPT-3). ``max_position_embeddings`` is the context length the
+    config declares (None when a config does not say).
+    """
+
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None
+    mlp_matrices: int = 3
+
+    def __post_init__(self):
+        for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
+                      "intermediate_size", "vocab_size", "mlp_matrices"):
+            check_int(field, getattr(self, field))
+        if self.max_position_embeddings is not None:
+            check_int("max_position_embeddings", self.max_position_embeddings)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+
+    @property
+    def attention(self) -> str:
+        """"MHA" (one KV head per query head), "MQA" (one KV head) or "GQA" (in between)."""
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count of a Llama-style decoder (biases and learned positions ignored).
+
+        With h = hidden_size, I = intermediate_size, V = vocab_size, d = head_dim,
+        H = num_heads, Hkv = num_kv_heads, m = mlp_matrices, L = num_layers::
+
+            embeddings   V*h            (+ V*h for the LM head unless tied)
+            per layer    h*H*d + 2*h*Hkv*d + H*d*h    (q, k, v, o projections)
+                         + m*h*I                      (MLP)
+                         + 2*h                        (two RMSNorm weights)
+            final norm   h
+        """
+        h, d = self.hidden_size, self.head_dim
+        attention = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2
+        per_layer = attention + self.mlp_matrices * h * self.intermediate_size + 2 * h
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_layers * per_layer + h
+
+
+PRESETS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in [
+        ModelSpec("llama-2-7b", num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+                  hidden_size=4096, intermediate_size=11008, vocab_size=32000,
+                  max_position_embeddings=4096),
+        ModelSpec("llama-3-8b", num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                  hidden_size=4096, intermediate_size=14336, vocab_size=128256,
+                  max_position_embeddings=8192),
+        ModelSpec("llama-3-70b", num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                  hidden_size=8192, intermediate_size=28672, vocab_size=128256,
+                  max_position_embeddings=8192),
+        ModelSpec("mistral-7b", num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+                  hidden_size=4096, intermediate_size=14336, vocab_size=32000,
+                  max_position_embeddings=32768),
+        ModelSpec("qwen2-72b", num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
+                  hidden_size=8192, intermediate_size=29568, vocab_size=152064,
+                  max_position_embeddings=32768),
+        # GPT-3 (Brown et al., 2020): classic 2-matrix MLP of 4*h, tied embeddings, 2048 context.
+        ModelSpec("gpt-3-175b", num_layers=96, num_heads=96, num_kv_heads=96, head_dim=128,
+                  hidden_size=12288, intermediate_size=4 * 12288, vocab_size=50257,
+                  tie_word_embeddings=True, max_position_embeddings=2048, mlp_matrices=2),
+    ]
+}
+
+
+def get_spec(name_or_path) -> ModelSpec:
+    """A :class:`ModelSpec` from a preset name, a ``config.json`` (or its folder), or a spec."""
+    if isinstance(name_or_path, ModelSpec):
+        return name_or_path
+    key = str(name_or_path).lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "config.json"
+    if path.is_file():
+        return spec_from_hf_config(path)
+    raise ValueError(f"unknown model {name_or_path!r}: not a preset ({', '.join(PRESETS)}) "
+                     "and not a config.json or a folder holding one")
+
+
+def spec_from_hf_config(path_or_dict, name: str | None = None) -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (a path or the parsed dict) into a :class:`ModelSpec`.
+
+    ``num_key_value_heads`` defaults to ``num_attention_heads`` (MHA) and ``head_dim`` to
+    ``hidden_size // num_attention_heads``, as in the transformers library. Multimodal
+    configs that nest the language model under ``text_config`` are read from there.
+    """
+    if isinstance(path_or_dict, dict):
+        config, where = path_or_dict, "config"
+    else:
+        where = str(path_or_dict)
+        try:
+            config = json.loads(Path(path_or_dict).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where} must hold a JSON object, got {type(config).__name__}")
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+
+    def field(key, default=None, required=True):
+        value = config.get(key)
+        if value is None:
+            if required and default is None:
+                raise ValueError(f"{where}: missing field {key!r}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{where}: field {key!r} must be a positive int, got {value!r}")
+        return value
+
+    num_heads = field("num_attention_heads")
+    hidden_size = field("hidden_size")
+    return ModelSpec(
+        name=name or config.get("_name_or_path") or config.get("model_type") or "custom",
+        num_layers=field("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=field("num_key_value_heads", default=num_heads),
+        head_dim=field("head_dim", default=hidden_size // num_heads),
+        hidden_size=hidden_size,
+        intermediate_size=field("intermediate_size"),
+        vocab_size=field("vocab_size"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=field("max_position_embeddings", required=False),
+    )
+
+
+# -- bytes ----------------------------------------------------------------------------------
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
+                  "half": "fp16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of ``dtype`` ("bf16", "fp8", ... or "bfloat16", "fp8_e4m3", ...)."""
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype must be a str such as 'bf16', got {type(dtype).__name__}")
+    key = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[key]
+
+
+def kv_bytes_per_layer_per_token(spec, dtype: str = "bf16") -> int:
+    """K and V of one token in one layer: 2 * num_kv_heads * head_dim * bytes."""
+    spec = get_spec(spec)
+    return 2 * spec.num_kv_heads * spec.head_dim * dtype_bytes(dtype)
+
+
+def kv_bytes_per_token(spec, dtype: str = "bf16") -> int:
+    """K and V of one token in all layers: 2 * num_layers * num_kv_heads * head_dim * bytes."""
+    spec = get_spec(spec)
+    return spec.num_layers * kv_bytes_per_layer_per_token(spec, dtype)
+
+
+def kv_bytes(spec, num_tokens: int, batch: int = 1, dtype: str = "bf16") -> int:
+    """KV cache of ``batch`` sequences of ``num_tokens`` tokens each."""
+    check_int("num_tokens", num_tokens, minimum=0)
+    check_int("batch", batch, minimum=0)
+    return batch * num_tokens * kv_bytes_per_token(spec, dtype)
+
+
+def weight_bytes(spec, dtype: str = "bf16") -> int:
+    """Memory of the weights stored in ``dtype``."""
+    return get_spec(spec).num_params * dtype_bytes(dtype)
+
+
+# -- GPUs and capacity ----------------------------------------------------------------------
+# Total memory as CUDA reports it (torch.cuda.mem_get_info()[1]): the number vLLM multiplies by
+# gpu_memory_utilization. The driver keeps some memory back, so it is below the marketed size,
+# and it moves by a few hundred MiB with the driver and ECC setting: check yours. The H200 value
+# is a measured total; the others are typical reports. The marketed "GB" is closer to GiB:
+# an "80GB" A100 reports 79.25 GiB (85.1 GB), the "141GB" H200 139.80 GiB (150.1 GB).
+GPUS: dict[str, int] = {
+    "A100-40GB": round(39.50 * GiB),
+    "A100-80GB": round(79.25 * GiB),
+    "H100-80GB": round(79.11 * GiB),
+    "H200-141GB": 150_109_880_320,
+    "L4-24GB": round(22.03 * GiB),
+    "RTX-4090-24GB": round(23.65 * GiB),
+}
+
+
+def gpu_total_bytes(gpu_bytes) -> int:
+    """``gpu_bytes`` as a byte count: a name in :data:`GPUS` ("H100-80GB") or a count already."""
+    if isinstance(gpu_bytes, str):
+        if gpu_bytes not in GPUS:
+            raise ValueError(f"unknown GPU {gpu_bytes!r}; known: {', '.join(GPUS)} (or pass bytes)")
+        return GPUS[gpu_bytes]
+    return check_int("gpu_bytes", gpu_bytes)
+
+
+def kv_budget_bytes(spec, gpu_bytes, gpu_memory_utilization: float = 0.9, weight_dtype: str = "bf16") -> int:
+    """Bytes left for the KV cache, the vLLM way: utilization * total - weights.
+
+    Like vLLM's estimate before profiling, this ignores activations, CUDA graphs and the
+    CUDA context (together a few GB), so it is an upper bound.
+    """
+    if isinstance(gpu_memory_utilization, bool) or not isinstance(gpu_memory_utilization, (int, float)):
+        raise TypeError(f"gpu_memory_utilization must be a number, got {type(gpu_memory_utilization).__name__}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    total = gpu_total_bytes(gpu_bytes)
+    weights = weight_bytes(spec, weight_dtype)
+    budget = int(gpu_memory_utilization * total) - weights
+    if budget <= 0:
+        raise ValueError(
+            f"{get_spec(spec).name} weights in {weight_dtype} need {format_bytes(weights)}, but "
+            f"{gpu_memory_utilization:g} of the GPU is only {format_bytes(int(gpu_memory_utilization * total))}: "
+            "use more GPUs (tensor parallelism), a smaller weight dtype, or a higher utilization")
+    return budget
+
+
+def max_sequences(spec, gpu_bytes, seq_len: int, gpu_memory_utilization: float = 0.9,
+                  weight_dtype: str = "bf16", kv_dtype: str = "bf16") -> int:
+    """How many sequences of ``seq_len`` tokens fit in the KV budget of one GPU.
+
+    ``gpu_bytes`` is the GPU's total memory, or a name in :data:`GPUS`.
+    """
+    check_int("seq_len", seq_len)
+    budget = kv_budget_bytes(spec, gpu_bytes, gpu_memory_utilization, weight_dtype)
+    return budget // (seq_len * kv_bytes_per_token(spec, kv_dtype))
+
+
+# -- printing -------------------------------------------------------------------------------
+def format_bytes(n) -> str:
+    """``n`` bytes in decimal and binary units: ``format_bytes(5 * 10**9)`` is '5.00 GB (4.66 GiB)'."""
+    n = int(n)
+    for decimal, binary, d_name, b_name in ((GB, GiB, "GB", "GiB"), (10**6, 2**20, "MB", "MiB"),
+                                            (10**3, 2**10, "KB", "KiB")):
+        if abs(n) >= decimal:
+            return f"{n / decimal:.2f} {d_name} ({n / binary:.2f} {b_name})"
+    return f"{n} B"
+
+
+def text_table(headers, rows, align: str | None = None) -> str:
+    """A plain-text table (stable output for notebooks and tests).
+
+    ``align`` has one letter per column, ``l`` or ``r``; by default every column is right-aligned.
+    """
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    align = align or "r" * len(headers)
+    pad = {"l": str.ljust, "r": str.rjust}
+    lines = ["  ".join(pad[a](c, w) for c, w, a in zip(row, widths, align)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+

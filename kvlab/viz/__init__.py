@@ -1,0 +1,1 @@
+"""Figures and widgets drawn from the live state of the engine."""
