@@ -22,10 +22,17 @@ class PageMapFrame:
     seq_lens: dict         # seq id -> tokens the sequence holds
     free_blocks: tuple | None = None   # the pool's own free list, when it has one
     title: str = ""
+    ref_counts: tuple | None = None    # ref_counts[b], when the pool counts holders (sharing)
+    cached: tuple | None = None        # cached[b]: block b carries a prefix-cache hash
+    evictable: tuple | None = None     # free blocks that still hold cached KV, least recent first
 
     @property
     def num_used(self) -> int:
         return sum(owner is not None for owner in self.owners)
+
+    def holders(self, block: int) -> int:
+        """How many block-table entries point at ``block`` (> 1: shared)."""
+        return sum(table.count(block) for table in self.block_tables.values())
 
     @property
     def num_free(self) -> int:
@@ -55,15 +62,22 @@ def page_map_frame(pool, title: str = "") -> PageMapFrame:
                 fills[block] = tokens_in_block(seq_lens[seq], logical, block_size) / block_size
     free = getattr(pool, "free_blocks", None)
     free = None if free is None else tuple(int(b) for b in free)
-    return PageMapFrame(num_blocks, block_size, tuple(owners), tuple(fills), tables, seq_lens, free, title)
+    refs = getattr(pool, "ref_counts", None)
+    hashes = getattr(pool, "block_hashes", None)
+    evictable = getattr(pool, "evictable", None)
+    return PageMapFrame(num_blocks, block_size, tuple(owners), tuple(fills), tables, seq_lens, free, title,
+                        ref_counts=None if refs is None else tuple(int(r) for r in refs),
+                        cached=None if hashes is None else tuple(h is not None for h in hashes),
+                        evictable=None if evictable is None else tuple(int(b) for b in evictable))
 
 
 def frame_problems(frame: PageMapFrame) -> list[str]:
     """Broken paging invariants in ``frame``, in words; empty when the pool is consistent.
 
-    Checks: block ids in range, no block in two table entries, each table exactly
-    ceil(seq_len / block_size) long, and (when the pool shows its free list) every block
-    either free or owned, never both, never twice free.
+    Checks: block ids in range, each table exactly ceil(seq_len / block_size) long, a block
+    in several table entries only when the pool's reference count says it is shared that
+    many times, and (when the pool shows its free list) every block either free (or
+    evictable) or owned, never both, never twice free.
     """
     problems = []
     holders: dict[int, list] = {}
@@ -77,10 +91,12 @@ def frame_problems(frame: PageMapFrame) -> list[str]:
             problems.append(f"seq {seq!r} has {frame.seq_lens[seq]} tokens in {len(table)} blocks, "
                             f"expected {expected}")
     for block, seqs in sorted(holders.items()):
-        if len(seqs) > 1:
-            problems.append(f"block {block} is held {len(seqs)} times (by {', '.join(map(repr, seqs))})")
+        refs = frame.ref_counts[block] if frame.ref_counts and 0 <= block < frame.num_blocks else 1
+        if len(seqs) != refs and (len(seqs) > 1 or frame.ref_counts):
+            problems.append(f"block {block} is held {len(seqs)} times (by {', '.join(map(repr, seqs))}) "
+                            f"but its reference count is {refs}")
     if frame.free_blocks is not None:
-        free = frame.free_blocks
+        free = frame.free_blocks + (frame.evictable or ())
         if len(set(free)) != len(free):
             problems.append("the free list names a block twice")
         if both := sorted(set(free) & holders.keys()):

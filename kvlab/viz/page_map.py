@@ -27,6 +27,7 @@ GRID_COLUMNS = 16      # physical blocks per row
 TABLE_COLUMNS = 16     # logical blocks shown per block table, at most
 MAX_TABLE_ROWS = 12    # sequences shown; the rest are counted
 FREE_FACE, FREE_EDGE = "#f3f3f3", "#c4c4c4"
+CACHED_FACE, CACHED_EDGE = "#fbf1cf", "#c9a227"   # free, but its KV is still cached (evictable)
 
 
 # -- colours -------------------------------------------------------------------------------
@@ -63,26 +64,40 @@ def _text_colour(colour) -> tuple:
 
 
 # -- drawing -------------------------------------------------------------------------------
-def _block_square(ax, x: float, y: float, owner, fill: float, label: str, fontsize: float) -> None:
-    """One block at (x, y): pale when owned, its filled part solid from the bottom up."""
+def _block_square(ax, x: float, y: float, owner, fill: float, label: str, fontsize: float,
+                  refs: int = 1, cached: bool = False) -> None:
+    """One block at (x, y): pale when owned, its filled part solid from the bottom up.
+
+    A block shared by ``refs`` > 1 sequences gets a thick border and an "xN" badge; a block
+    carrying a prefix-cache hash gets a gold corner, and a free one that is still cached is
+    drawn gold (reusable until evicted).
+    """
     size = 0.9
     if owner is None:
-        ax.add_patch(Rectangle((x, y), size, size, facecolor=FREE_FACE, edgecolor=FREE_EDGE, linewidth=0.8))
+        face, edge = (CACHED_FACE, CACHED_EDGE) if cached else (FREE_FACE, FREE_EDGE)
+        ax.add_patch(Rectangle((x, y), size, size, facecolor=face, edgecolor=edge, linewidth=0.8))
         ax.text(x + size / 2, y + size / 2, label, ha="center", va="center", fontsize=fontsize, color="#9a9a9a")
         return
     colour = seq_colour(owner)
     ax.add_patch(Rectangle((x, y), size, size, facecolor=_tint(colour), edgecolor="none"))
     ax.add_patch(Rectangle((x, y), size, size * fill, facecolor=colour, edgecolor="none"))
-    ax.add_patch(Rectangle((x, y), size, size, facecolor="none", edgecolor=_text_colour(colour), linewidth=1.2))
+    ax.add_patch(Rectangle((x, y), size, size, facecolor="none", edgecolor="black" if refs > 1 else _text_colour(colour),
+                           linewidth=2.4 if refs > 1 else 1.2))
     ax.text(x + size / 2, y + size / 2, label, ha="center", va="center", fontsize=fontsize, color="black",
             path_effects=[withStroke(linewidth=2.2, foreground="white")])
+    if cached:
+        ax.add_patch(Rectangle((x, y + size * 0.72), size * 0.18, size * 0.18, facecolor=CACHED_EDGE, edgecolor="none"))
+    if refs > 1:
+        ax.text(x + size * 0.97, y + size * 0.97, f"x{refs}", ha="right", va="top", fontsize=fontsize * 0.75,
+                color="black", fontweight="bold", path_effects=[withStroke(linewidth=1.8, foreground="white")])
 
 
 def _draw_blocks(ax, frame: PageMapFrame, columns: int) -> None:
     fontsize = 7 if frame.num_blocks > 100 else 8
     for block in range(frame.num_blocks):
         row, col = divmod(block, columns)
-        _block_square(ax, col, -row, frame.owners[block], frame.fills[block], str(block), fontsize)
+        _block_square(ax, col, -row, frame.owners[block], frame.fills[block], str(block), fontsize,
+                      refs=frame.holders(block), cached=bool(frame.cached and frame.cached[block]))
     ax.set_title("physical blocks (solid part = filled slots)", fontsize=9, loc="left")
 
 
@@ -99,7 +114,8 @@ def _draw_tables(ax, frame: PageMapFrame, columns: int) -> None:
         shown = table if len(table) <= columns else table[:columns - 1]
         for logical, block in enumerate(shown):
             fill = tokens_in_block(seq_len, logical, frame.block_size) / frame.block_size
-            _block_square(ax, logical, y, seq, fill, str(block), 7.5)
+            _block_square(ax, logical, y, seq, fill, str(block), 7.5, refs=frame.holders(block),
+                          cached=bool(frame.cached and frame.cached[block]))
         if len(shown) < len(table):
             ax.text(columns - 0.55, y + 0.45, f"+{len(table) - len(shown)}", ha="center", va="center",
                     fontsize=8)
