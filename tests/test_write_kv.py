@@ -28,6 +28,15 @@ def assert_same(got, want):
     assert bool(same.all()), f"{int((~same).sum())} elements differ, first at {(~same).nonzero()[0].tolist()}"
 
 
+def write_and_compare(key, value, k_cache, v_cache, slots):
+    """write_kv into the (poisoned) caches, and check them against write_kv_ref on copies."""
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    write_kv(key, value, k_cache, v_cache, slots)
+    write_kv_ref(key, value, k_want, v_want, slots)
+    assert_same(k_cache, k_want)
+    assert_same(v_cache, v_want)
+
+
 def ragged_batch(rng, block_size, num_blocks):
     """Sequences of ragged lengths around block boundaries, appended interleaved so their
     blocks scatter; returns the pool and the (seq, start, num_new) requests of one step."""
@@ -61,11 +70,7 @@ def test_write_kv_matches_reference(dtype, num_kv_heads, head_dim, block_size):
     key = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
     value = torch.randn(num_tokens, num_kv_heads, head_dim, device=DEVICE).to(dtype)
     k_cache, v_cache = poisoned_cache(64, block_size, num_kv_heads, head_dim, dtype)
-    k_want, v_want = k_cache.clone(), v_cache.clone()
-    write_kv(key, value, k_cache, v_cache, slots)
-    write_kv_ref(key, value, k_want, v_want, slots)
-    assert_same(k_cache, k_want)
-    assert_same(v_cache, v_want)
+    write_and_compare(key, value, k_cache, v_cache, slots)
     written = int((~k_cache.isnan()).all(-1).all(-1).sum())
     assert written == num_tokens - pad
 
@@ -77,11 +82,7 @@ def test_write_kv_reads_strided_rows():
     key, value = qkv[:, 1], qkv[:, 2]
     slots = torch.randperm(4 * 8, device=DEVICE)[:num_tokens]
     k_cache, v_cache = poisoned_cache(4, 8, heads, dim, torch.float32)
-    k_want, v_want = k_cache.clone(), v_cache.clone()
-    write_kv(key, value, k_cache, v_cache, slots)
-    write_kv_ref(key, value, k_want, v_want, slots)
-    assert_same(k_cache, k_want)
-    assert_same(v_cache, v_want)
+    write_and_compare(key, value, k_cache, v_cache, slots)
 
 
 def test_write_kv_large_batch():
@@ -91,11 +92,7 @@ def test_write_kv_large_batch():
     key = torch.randn(len(slots), heads, dim, device=DEVICE, dtype=torch.bfloat16)
     value = torch.randn_like(key)
     k_cache, v_cache = poisoned_cache(num_blocks, block_size, heads, dim, torch.bfloat16)
-    k_want, v_want = k_cache.clone(), v_cache.clone()
-    write_kv(key, value, k_cache, v_cache, slots)
-    write_kv_ref(key, value, k_want, v_want, slots)
-    assert_same(k_cache, k_want)
-    assert_same(v_cache, v_want)
+    write_and_compare(key, value, k_cache, v_cache, slots)
 
 
 def test_empty_batch_writes_nothing():
