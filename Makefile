@@ -7,6 +7,8 @@ BIN    := $(VENV)/bin
 TORCH       ?= torch==2.13.0
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
+# JupyterLab refuses to run as root (containers, CI) unless told to.
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
 .PHONY: setup lab test test-gpu grade notebooks clean
 
@@ -22,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lab: setup
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $(LAB_ARGS)
 
 # Everything CI runs: unit, property, kernel (Triton interpreter), graded and notebook tests.
 test: setup
