@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from kvlab.errors import OutOfBlocksError, SharedBlockWriteError, UnknownSequenceError
-from kvlab.paging.prefix_hash import hash_blocks
+from kvlab.paging.prefix_hash import hash_blocks, token_bytes
 
 
 def check_count(name: str, value, *, minimum: int = 0) -> int:
@@ -192,7 +192,9 @@ class BlockPool:
             shared = table[-1]
             table[-1] = self._take_free_block()
             self.ref_counts[shared] -= 1          # still >= 1: others hold it
-            self.pending_copies.append((shared, table[-1]))
+            # If `shared` is itself a copy not made yet, copy from its source instead.
+            source = next((src for src, dst in self.pending_copies if dst == shared), shared)
+            self.pending_copies.append((source, table[-1]))
             new_blocks.append(table[-1])
         grown = [self._take_free_block() for _ in range(needed - len(new_blocks))]
         table.extend(grown)
@@ -272,6 +274,7 @@ class BlockPool:
         if token_ids is None or len(token_ids) != num_tokens:
             got = "none" if token_ids is None else len(token_ids)
             raise ValueError(f"with prefix caching, token_ids must give the {num_tokens} new tokens, got {got}")
+        token_bytes(token_ids)  # raises for ids that can't be hashed, before anything changes
 
     def _needs_copy_on_write(self, seq_id, num_tokens: int) -> bool:
         table, length = self.block_tables[seq_id], self.seq_lens[seq_id]

@@ -35,7 +35,8 @@ def hash_block(parent: bytes, token_ids, extra_keys: tuple = ()) -> bytes:
     """The hash of one full block, given its parent's hash (``root_hash(salt)`` for block 0)."""
     h = sha256(parent + token_bytes(token_ids))
     for key in extra_keys:  # e.g. a LoRA adapter id or an image hash: part of the block's identity
-        h.update(repr(key).encode())
+        encoded = repr(key).encode()
+        h.update(len(encoded).to_bytes(4, "little") + encoded)  # length first: (1, 23) != (12, 3)
     return h.digest()
 
 
