@@ -292,9 +292,11 @@ class BlockPool:
         """A free block for new KV: a never-cached one if any, else evict the least recent."""
         if self.free_blocks:
             block = self.free_blocks.popleft()
-        else:
+        elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
             self._uncache(block)
+        else:
+            raise OutOfBlocksError("no free block (callers check the free count first)")
         self.ref_counts[block] = 1
         return block
 

@@ -25,6 +25,7 @@ class PageMapFrame:
     ref_counts: tuple | None = None    # ref_counts[b], when the pool counts holders (sharing)
     cached: tuple | None = None        # cached[b]: block b carries a prefix-cache hash
     evictable: tuple | None = None     # free blocks that still hold cached KV, least recent first
+    pending_copies: tuple = ()         # copy-on-write (src, dst) pairs not yet copied
 
     @property
     def num_used(self) -> int:
@@ -40,7 +41,13 @@ class PageMapFrame:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens each sequence holds, added up (a shared block counts once per holder)."""
         return sum(self.seq_lens.values())
+
+    @property
+    def num_stored_tokens(self) -> int:
+        """Token slots physically filled: a shared block counts once."""
+        return round(sum(self.fills) * self.block_size)
 
 
 def tokens_in_block(seq_len: int, logical_block: int, block_size: int) -> int:
@@ -68,7 +75,8 @@ def page_map_frame(pool, title: str = "") -> PageMapFrame:
     return PageMapFrame(num_blocks, block_size, tuple(owners), tuple(fills), tables, seq_lens, free, title,
                         ref_counts=None if refs is None else tuple(int(r) for r in refs),
                         cached=None if hashes is None else tuple(h is not None for h in hashes),
-                        evictable=None if evictable is None else tuple(int(b) for b in evictable))
+                        evictable=None if evictable is None else tuple(int(b) for b in evictable),
+                        pending_copies=tuple(getattr(pool, "pending_copies", ())))
 
 
 def frame_problems(frame: PageMapFrame) -> list[str]:
@@ -95,6 +103,9 @@ def frame_problems(frame: PageMapFrame) -> list[str]:
         if len(seqs) != refs and (len(seqs) > 1 or frame.ref_counts):
             problems.append(f"block {block} is held {len(seqs)} times (by {', '.join(map(repr, seqs))}) "
                             f"but its reference count is {refs}")
+    for block, refs in enumerate(frame.ref_counts or ()):
+        if refs and block not in holders:
+            problems.append(f"block {block} has reference count {refs} but no table holds it")
     if frame.free_blocks is not None:
         free = frame.free_blocks + (frame.evictable or ())
         if len(set(free)) != len(free):

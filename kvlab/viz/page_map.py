@@ -50,13 +50,13 @@ def seq_colour(seq_id) -> tuple:
     return PALETTE[key % len(PALETTE)]
 
 
-def _tint(colour, amount: float = 0.85) -> tuple:
+def tint(colour, amount: float = 0.85) -> tuple:
     """``colour`` mixed with white."""
     r, g, b = to_rgb(colour)
     return (r + (1 - r) * amount, g + (1 - g) * amount, b + (1 - b) * amount)
 
 
-def _text_colour(colour) -> tuple:
+def text_colour(colour) -> tuple:
     """``colour``, darkened when it is too light to read as text on white."""
     r, g, b = to_rgb(colour)
     scale = 0.55 if 0.3 * r + 0.59 * g + 0.11 * b > 0.6 else 1.0
@@ -79,9 +79,9 @@ def _block_square(ax, x: float, y: float, owner, fill: float, label: str, fontsi
         ax.text(x + size / 2, y + size / 2, label, ha="center", va="center", fontsize=fontsize, color="#9a9a9a")
         return
     colour = seq_colour(owner)
-    ax.add_patch(Rectangle((x, y), size, size, facecolor=_tint(colour), edgecolor="none"))
+    ax.add_patch(Rectangle((x, y), size, size, facecolor=tint(colour), edgecolor="none"))
     ax.add_patch(Rectangle((x, y), size, size * fill, facecolor=colour, edgecolor="none"))
-    ax.add_patch(Rectangle((x, y), size, size, facecolor="none", edgecolor="black" if refs > 1 else _text_colour(colour),
+    ax.add_patch(Rectangle((x, y), size, size, facecolor="none", edgecolor="black" if refs > 1 else text_colour(colour),
                            linewidth=2.4 if refs > 1 else 1.2))
     ax.text(x + size / 2, y + size / 2, label, ha="center", va="center", fontsize=fontsize, color="black",
             path_effects=[withStroke(linewidth=2.2, foreground="white")])
@@ -110,7 +110,7 @@ def _draw_tables(ax, frame: PageMapFrame, columns: int) -> None:
         y = -1 - row
         table, seq_len = frame.block_tables[seq], frame.seq_lens[seq]
         ax.text(-0.2, y + 0.45, f"seq {seq} ({seq_len} tok)", ha="right", va="center", fontsize=8,
-                color=_text_colour(seq_colour(seq)), fontweight="bold")
+                color=text_colour(seq_colour(seq)), fontweight="bold")
         shown = table if len(table) <= columns else table[:columns - 1]
         for logical, block in enumerate(shown):
             fill = tokens_in_block(seq_len, logical, frame.block_size) / frame.block_size
@@ -169,7 +169,7 @@ def draw_page_map(frame: PageMapFrame, fig: Figure | None = None, min_sequences:
     _draw_blocks(grid_ax, frame, columns)
     _draw_tables(table_ax, frame, table_columns)
     summary = (f"{frame.num_used} used, {frame.num_free} free of {frame.num_blocks} blocks"
-               f"  |  {frame.num_tokens} tokens in {frame.num_used * frame.block_size} slots"
+               f"  |  {frame.num_stored_tokens} tokens stored in {frame.num_used * frame.block_size} slots"
                f"  |  block_size {frame.block_size}")
     heading = f"{frame.title}\n{summary}" if frame.title else summary
     fig.text(margin / fig_w, 1 - 0.08 / fig_h, heading, ha="left", va="top", fontsize=10)

@@ -1,0 +1,65 @@
+"""Chapter 3 answers: the same names and signatures as ``exercises/ch03.py``."""
+from kvlab.errors import OutOfBlocksError, UnknownSequenceError
+from kvlab.paging import BlockPool, blocks_needed
+from kvlab.paging.block_pool import check_count
+
+
+# -- task fork -------------------------------------------------------------------------------
+def fork(pool, parent, child) -> list[int]:
+    if parent not in pool.block_tables:
+        raise UnknownSequenceError(f"unknown sequence id {parent!r}")
+    if child in pool.block_tables:
+        raise ValueError(f"sequence {child!r} already exists: fork needs a new id")
+    table = pool.block_tables[parent]
+    for block in table:
+        pool.ref_counts[block] += 1
+    pool.block_tables[child] = list(table)
+    pool.seq_lens[child] = pool.seq_lens[parent]
+    return list(table)
+
+
+# -- task copy_on_write ----------------------------------------------------------------------
+def append_with_copy_on_write(pool, seq_id, num_tokens: int = 1) -> list[int]:
+    check_count("num_tokens", num_tokens)
+    if seq_id not in pool.block_tables:
+        raise UnknownSequenceError(f"unknown sequence id {seq_id!r}")
+    table, length = pool.block_tables[seq_id], pool.seq_lens[seq_id]
+    new_len = length + num_tokens
+    if new_len > pool.num_blocks * pool.block_size:
+        raise ValueError(f"{new_len} tokens can never fit in {pool.num_blocks} blocks of {pool.block_size}")
+    copy = num_tokens > 0 and length % pool.block_size != 0 and pool.ref_counts[table[-1]] > 1
+    grow = blocks_needed(new_len, pool.block_size) - len(table)
+    if copy + grow > len(pool.free_blocks):
+        raise OutOfBlocksError(f"need {copy + grow} blocks, {len(pool.free_blocks)} are free")
+    taken = []
+    if copy:
+        shared = table[-1]
+        table[-1] = pool._take_free_block()
+        pool.ref_counts[shared] -= 1          # the others still hold it
+        pool.pending_copies.append((shared, table[-1]))
+        taken.append(table[-1])
+    for _ in range(grow):
+        table.append(pool._take_free_block())
+        taken.append(table[-1])
+    pool.seq_lens[seq_id] = new_len
+    return taken
+
+
+# -- task sharing_blocks ---------------------------------------------------------------------
+def parallel_sampling_blocks(prompt_len: int, gen_len: int, n: int, block_size: int) -> tuple[int, int]:
+    # Full prompt blocks stay shared. A partly filled last prompt block is copied by every
+    # sample but the last to write (that one keeps the original), so each sample holds the
+    # blocks from there on alone.
+    per_sequence = blocks_needed(prompt_len + gen_len, block_size)
+    shared = prompt_len // block_size
+    return shared + n * (per_sequence - shared), n * per_sequence
+
+
+class MyBlockPool(BlockPool):
+    """kvlab's ``BlockPool`` with ``fork`` and ``append`` replaced by yours (given, not a task)."""
+
+    def fork(self, parent, child) -> list[int]:
+        return fork(self, parent, child)
+
+    def append(self, seq_id, num_tokens: int = 1, token_ids=None) -> list[int]:
+        return append_with_copy_on_write(self, seq_id, num_tokens)
