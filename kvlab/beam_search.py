@@ -26,6 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 from kvlab.paging.block_pool import BlockPool, blocks_needed
 from kvlab.paging.snapshot import page_map_frame
+from kvlab.paging.trace import blocks_phrase
 
 MODES = ("parallel", "beam")
 
@@ -39,13 +40,6 @@ def _recorder(record) -> Callable[[object, str], None]:
     return lambda pool, title: add(page_map_frame(pool, title))
 
 
-def _blocks_phrase(blocks) -> str:
-    blocks = list(blocks)
-    if not blocks:
-        return "no block"
-    return ("block " if len(blocks) == 1 else "blocks ") + ", ".join(map(str, blocks))
-
-
 def append_one(pool, seq_id) -> str:
     """Append one token to ``seq_id``; returns what the pool did, in words."""
     copies_before = len(pool.pending_copies)
@@ -55,7 +49,7 @@ def append_one(pool, seq_id) -> str:
         src, dst = copies[-1]
         return f"copy-on-write: shared block {src} copied into block {dst}"
     if taken:
-        return f"takes {_blocks_phrase(taken)}"
+        return f"takes {blocks_phrase(taken)}"
     return f"writes into block {pool.block_tables[seq_id][-1]}"
 
 
@@ -128,7 +122,7 @@ def parallel_sampling(pool, prompt_len: int, n: int, output_lens, record=None) -
         run.end_step(pool)
         for sample in (s for s in live if lens[s] == step):
             released = pool.free(sample)
-            note(pool, f"step {step}: sample {sample} is done -> frees {_blocks_phrase(released)}")
+            note(pool, f"step {step}: sample {sample} is done -> frees {blocks_phrase(released)}")
     return run
 
 
@@ -191,7 +185,7 @@ def beam_search_step(pool, beams: list[Beam], logits_fn, beam_width: int, new_id
     for index, beam in enumerate(beams):
         if index not in parents:
             released = pool.free(beam.seq_id)
-            note(pool, f"step {step}: beam {beam.seq_id} falls out -> frees {_blocks_phrase(released)}")
+            note(pool, f"step {step}: beam {beam.seq_id} falls out -> frees {blocks_phrase(released)}")
     new_beams, continued = [], set()
     for parent, token, score in kept:
         seq_id = beams[parent].seq_id

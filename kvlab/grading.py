@@ -22,6 +22,8 @@ IMPLS = ("exercises", "solutions")
 CHAPTERS = {
     "ch01": "KV memory accounting",
     "ch02": "Paged block tables",
+    "ch03": "Copy-on-write",
+    "ch04": "Prefix caching",
 }
 
 

@@ -94,7 +94,9 @@ def make_trace(num_blocks: int, block_size: int, num_requests: int, seed: int = 
     return events
 
 
-def _blocks_phrase(blocks: list[int]) -> str:
+def blocks_phrase(blocks) -> str:
+    """"block 3" / "blocks 3, 7" / "no block": for frame titles."""
+    blocks = list(blocks)
     if not blocks:
         return "no block"
     return ("block " if len(blocks) == 1 else "blocks ") + ", ".join(map(str, blocks))
@@ -107,16 +109,16 @@ def apply_event(event: AllocatorEvent, pool) -> str:
     if event.kind == "arrive":
         pool.allocate(event.seq_id, event.num_tokens)
         taken = list(pool.block_tables[event.seq_id])
-        return f"{head} arrives with {event.num_tokens} tokens -> takes {_blocks_phrase(taken)}"
+        return f"{head} arrives with {event.num_tokens} tokens -> takes {blocks_phrase(taken)}"
     if event.kind == "grow":
         pool.append(event.seq_id, event.num_tokens)
         taken = list(pool.block_tables[event.seq_id])[len(before):]
         if taken or not before:
-            return f"{head} grows by {event.num_tokens} -> takes {_blocks_phrase(taken)}"
+            return f"{head} grows by {event.num_tokens} -> takes {blocks_phrase(taken)}"
         return f"{head} grows by {event.num_tokens} -> fits in block {before[-1]}"
     if event.kind == "finish":
         pool.free(event.seq_id)
-        return f"{head} finishes -> frees {_blocks_phrase(before)}"
+        return f"{head} finishes -> frees {blocks_phrase(before)}"
     raise ValueError(f"unknown event kind {event.kind!r}; expected one of {KINDS}")
 
 
