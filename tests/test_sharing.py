@@ -280,7 +280,9 @@ def test_fork_and_copy_on_write_with_the_real_kernels():
 
     num_layers, num_blocks, block_size, num_kv_heads, head_dim = 2, 6, 4, 2, 4
     gen = torch.Generator().manual_seed(0)
-    cache = allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32)
+    device = kvlab.profile.DEVICE
+    cache = allocate_kv_cache(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=torch.float32,
+                              device=device)
     cache.k.fill_(float("nan"))
     cache.v.fill_(float("nan"))
     pool = BlockPool(num_blocks=num_blocks, block_size=block_size)
@@ -288,10 +290,11 @@ def test_fork_and_copy_on_write_with_the_real_kernels():
 
     def new_kv(n):
         shape = (n, num_kv_heads, head_dim)
-        return [(torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)) for _ in range(num_layers)]
+        return [(torch.randn(shape, generator=gen).to(device), torch.randn(shape, generator=gen).to(device))
+                for _ in range(num_layers)]
 
     def write(seq, start, kv):
-        slots = torch.tensor(pool.slot_mapping(seq, start, kv[0][0].shape[0]), dtype=torch.int64)
+        slots = torch.tensor(pool.slot_mapping(seq, start, kv[0][0].shape[0]), dtype=torch.int64, device=device)
         for layer, (k, v) in enumerate(kv):
             write_kv(k, v, cache.k[layer], cache.v[layer], slots)
 
@@ -300,7 +303,7 @@ def test_fork_and_copy_on_write_with_the_real_kernels():
         pool.append(seq, n)
         copies = pool.take_copies()
         if copies:
-            copy_blocks([cache.k, cache.v], torch.tensor(copies, dtype=torch.int64))
+            copy_blocks([cache.k, cache.v], torch.tensor(copies, dtype=torch.int64, device=device))
         kv = new_kv(n)
         write(seq, old, kv)
         want[seq] = [(torch.cat([k0, k]), torch.cat([v0, v])) for (k0, v0), (k, v) in zip(want[seq], kv)]
@@ -332,8 +335,8 @@ def test_fork_and_copy_on_write_with_the_real_kernels():
     check_all()
     # the kernels did what the references do, on a copy of the final state
     k_ref, v_ref = cache.k.clone(), cache.v.clone()
-    copy_blocks_ref([k_ref, v_ref], torch.tensor([[0, 5]], dtype=torch.int64))
-    copy_blocks([cache.k, cache.v], torch.tensor([[0, 5]], dtype=torch.int64))
+    copy_blocks_ref([k_ref, v_ref], torch.tensor([[0, 5]], dtype=torch.int64, device=device))
+    copy_blocks([cache.k, cache.v], torch.tensor([[0, 5]], dtype=torch.int64, device=device))
     for got, ref in ((cache.k, k_ref), (cache.v, v_ref)):   # never-written slots are NaN in both
         assert torch.equal(got.isnan(), ref.isnan())
         assert torch.equal(got.nan_to_num(), ref.nan_to_num())

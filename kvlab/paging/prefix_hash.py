@@ -8,6 +8,7 @@ content is still changing.
 """
 from __future__ import annotations
 
+from array import array
 from hashlib import sha256
 
 import numpy as np
@@ -25,9 +26,15 @@ def root_hash(salt: str | bytes | None = None) -> bytes:
 
 def token_bytes(token_ids) -> bytes:
     """Token ids as little-endian uint32 bytes (4 per token: vocabularies are < 2**32)."""
+    if isinstance(token_ids, (list, tuple)):
+        try:  # array() converts a list of ints 3x faster than numpy, and refuses floats
+            ids = np.frombuffer(array("I", token_ids), dtype=np.uint32)
+        except (OverflowError, TypeError) as e:
+            raise ValueError(f"token ids must be ints in 0 .. 2**32 - 1 ({e})") from None
+        return ids.astype("<u4", copy=False).tobytes()
     ids = np.asarray(token_ids)
-    if ids.size and (ids.min() < 0 or ids.max() >= 2**32):
-        raise ValueError("token ids must be in 0 .. 2**32 - 1")
+    if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= 2**32):
+        raise ValueError(f"token ids must be ints in 0 .. 2**32 - 1, got dtype {ids.dtype}")
     return ids.astype("<u4", copy=False).tobytes()
 
 
@@ -43,14 +50,19 @@ def hash_block(parent: bytes, token_ids, extra_keys: tuple = ()) -> bytes:
 def hash_blocks(token_ids, block_size: int, salt: str | bytes | None = None, parent: bytes | None = None) -> list[bytes]:
     """Hashes of every *full* block of ``token_ids``, chained from ``parent`` (default: the root).
 
-    The hot loop hashes one slice of a single bytes object per block: no per-block numpy
-    or Python-int work, which is what keeps a million tokens to a few tens of milliseconds.
+    Hot loop, 62,500 blocks per million tokens: numpy cuts the bytes into one object per
+    block up front, and each hash starts from a copy of an empty SHA-256 state (cheaper than
+    creating a new hasher), so the loop does nothing but hash.
     """
-    data = token_bytes(token_ids)
     step = 4 * block_size
+    data = token_bytes(token_ids)
+    blocks = np.frombuffer(data, dtype=f"V{step}", count=len(data) // step).tolist()
     parent = root_hash(salt) if parent is None else parent
-    hashes = []
-    for start in range(0, len(data) - step + 1, step):
-        parent = sha256(parent + data[start:start + step]).digest()
+    empty, hashes = sha256(), []
+    for block in blocks:
+        h = empty.copy()
+        h.update(parent)
+        h.update(block)
+        parent = h.digest()
         hashes.append(parent)
     return hashes
