@@ -53,6 +53,7 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 def save(name: str, payload: dict, out_dir: str | None) -> None:
     if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
         path = Path(out_dir) / f"{name}.json"
         path.write_text(json.dumps(payload, indent=2))
         print(f"wrote {path}")

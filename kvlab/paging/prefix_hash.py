@@ -33,8 +33,11 @@ def token_bytes(token_ids) -> bytes:
             raise ValueError(f"token ids must be ints in 0 .. 2**32 - 1 ({e})") from None
         return ids.astype("<u4", copy=False).tobytes()
     ids = np.asarray(token_ids)
-    if ids.size and (ids.dtype.kind not in "iu" or ids.min() < 0 or ids.max() >= 2**32):
+    if ids.dtype.kind not in "iu":
         raise ValueError(f"token ids must be ints in 0 .. 2**32 - 1, got dtype {ids.dtype}")
+    if ids.dtype.itemsize > 4 or ids.dtype.kind == "i":  # could hold ids outside 0 .. 2**32 - 1
+        if (ids.astype(np.int64, copy=False) >> 32).any():
+            raise ValueError("token ids must be ints in 0 .. 2**32 - 1")
     return ids.astype("<u4", copy=False).tobytes()
 
 
