@@ -1,0 +1,20 @@
+"""Layer 5: the serving engine, shaped like vLLM's offline API.
+
+>>> from kvlab.engine import LLM, SamplingParams
+>>> llm = LLM(enable_prefix_caching=True)                                        # doctest: +SKIP
+>>> [out] = llm.generate("def fib(n):", SamplingParams(temperature=0, max_tokens=32))  # doctest: +SKIP
+>>> out.outputs[0].text                                                           # doctest: +SKIP
+
+One concept per module: :mod:`~kvlab.engine.sampling_params` (what a request asks for),
+:mod:`~kvlab.engine.sequence` (one sample's tokens and state), :mod:`~kvlab.engine.scheduler`
+(continuous batching, preemption, forking), :mod:`~kvlab.engine.sampler` (logits to tokens),
+:mod:`~kvlab.engine.model_runner` (the model, the paged KV cache, one step) and
+:mod:`~kvlab.engine.llm` (the front door).
+"""
+from kvlab.engine.llm import LLM, CompletionOutput, RequestOutput
+from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.scheduler import Scheduler, SchedulerOutput
+from kvlab.engine.sequence import Sequence, SequenceStatus
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Scheduler", "SchedulerOutput",
+           "Sequence", "SequenceStatus"]

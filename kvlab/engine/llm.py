@@ -1,0 +1,371 @@
+"""LLM: the engine's front door, shaped like vLLM's offline API.
+
+>>> from kvlab.engine import LLM, SamplingParams
+>>> llm = LLM()                                   # the course's tiny model   # doctest: +SKIP
+>>> outs = llm.generate(["def add(a, b):", "import"], SamplingParams(temperature=0, max_tokens=20))  # doctest: +SKIP
+>>> outs[0].outputs[0].text                                                                         # doctest: +SKIP
+
+Under the hood, one :meth:`LLM.step` is one round of continuous batching::
+
+    scheduler.schedule()      which sequences run, how many tokens each (blocks booked in the pool)
+    model_runner.execute()    copy-on-write copies, one packed forward over the paged cache, sampling
+    scheduler.update()        append the tokens, fork parallel samples, retire finished sequences
+    stop strings              checked on the detokenised text (the tokenizer lives here)
+
+:meth:`LLM.generate` queues every prompt and steps until they are all done. A request the
+engine cannot serve (an empty prompt, a bad parameter, a prompt longer than the context or the
+whole cache) comes back as a :class:`RequestOutput` with ``error`` set and no outputs, while
+the rest of the batch runs.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kvlab import profile
+from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.scheduler import Scheduler
+from kvlab.engine.sequence import Sequence
+from kvlab.paging.block_pool import BlockPool, blocks_needed
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "weights" / "kvlab-tiny-target"
+
+
+# -- what generate returns (vLLM's names) ------------------------------------------------------
+@dataclass
+class CompletionOutput:
+    """One sample of a request: its text and tokens, and why it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None      # "stop", "length", "error"; None while running
+    stop_reason: int | str | None = None  # the stop string or stop token id, if one ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's prompt and its ``n`` samples; ``error`` says why it could not be served."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    error: str | None = None
+    num_cached_tokens: int = 0            # prompt tokens found in the prefix cache
+
+
+@dataclass
+class Request:
+    """The engine's record of one request: its prompt, parameters and samples."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.error is not None or all(s.is_finished for s in self.seqs)
+
+
+# -- the engine ------------------------------------------------------------------------------
+class LLM:
+    """A small paged-KV serving engine with vLLM's offline interface.
+
+    ``model``: a checkpoint folder (HF format: config.json, safetensors, tokenizer.json), or
+    an already built :class:`~kvlab.models.LlamaForCausalLM` (then pass its ``tokenizer``);
+    default: the course's tiny model. ``block_size``: tokens per KV block.
+    ``num_gpu_blocks``: the cache's size in blocks (default: sized by
+    :class:`~kvlab.engine.model_runner.ModelRunner` from ``gpu_memory_utilization`` on a
+    GPU, from ``max_num_seqs`` x ``max_model_len`` on the CPU). ``max_num_seqs`` and
+    ``max_num_batched_tokens`` bound each step. ``seed`` seeds the samples of requests whose
+    SamplingParams give no seed. ``attention_backend``: a name registered with
+    :func:`kvlab.models.register_attention_backend`; ``"auto"`` takes the Triton kernels on a
+    GPU once they are registered as ``"triton"``, and otherwise whichever backend is active
+    (the PyTorch reference by default); None: always whichever is active.
+    """
+
+    def __init__(self, model=None, tokenizer=None, *, block_size: int = 16, gpu_memory_utilization: float = 0.9,
+                 num_gpu_blocks: int | None = None, enable_prefix_caching: bool = False, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None, dtype=None,
+                 device=None, seed: int | None = 0, attention_backend: str | None = "auto"):
+        self.model, self.tokenizer = _load(model, tokenizer, dtype, device or profile.DEVICE)
+        self.config = self.model.config
+        self.max_model_len = _context_length(self.config, max_model_len)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, self.max_model_len, max_num_seqs)
+        self.model_runner = ModelRunner(self.model, block_size, num_gpu_blocks, gpu_memory_utilization,
+                                        max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                                        attention_backend)
+        self.pool = BlockPool(self.model_runner.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                                   self.config.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self.last_schedule = None               # the SchedulerOutput of the latest step
+        self._request_ids = itertools.count()
+        self._seq_ids = itertools.count()
+        self._seeds = random.Random(seed)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def __repr__(self) -> str:
+        return (f"LLM({self.config.architecture}, {self.pool.num_blocks} blocks x {self.pool.block_size} tokens, "
+                f"max_num_seqs={self.scheduler.max_num_seqs}, "
+                f"max_num_batched_tokens={self.scheduler.max_num_batched_tokens}, "
+                f"prefix_caching={self.pool.enable_prefix_caching})")
+
+    # -- the batch API ---------------------------------------------------------------------
+    def generate(self, prompts=None, sampling_params=None, use_tqdm: bool = True, *,
+                 prompt_token_ids=None) -> list[RequestOutput]:
+        """Complete every prompt; one :class:`RequestOutput` per prompt, in order.
+
+        ``prompts``: a string, or a list of strings, token-id lists, or dicts with a
+        ``"prompt"`` or ``"prompt_token_ids"`` key; or pass ``prompt_token_ids`` (one list
+        of ids or a list of them). ``sampling_params``: one for all, or one per prompt.
+        """
+        items = _prompt_items(prompts, prompt_token_ids)
+        params = _params_per_prompt(sampling_params, len(items))
+        requests = [self._build_request(item, p) for item, p in zip(items, params)]
+        results = {r.request_id: self._output(r) for r in requests if r.error}
+        for r in requests:
+            if not r.error:
+                self._enqueue(r)
+        bar = _progress_bar(len(requests) - len(results), use_tqdm)
+        while len(results) < len(requests):
+            for output in self.step():
+                if output.finished and output.request_id not in results:
+                    results[output.request_id] = output
+                    bar.update(1)
+        bar.close()
+        return [results[r.request_id] for r in requests]
+
+    def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        """Queue one request (it runs on the following :meth:`step` calls); returns its id.
+        Raises ValueError if the request cannot be served."""
+        request = self._build_request(_prompt_item(prompt), sampling_params or SamplingParams(), request_id)
+        if request.error:
+            raise ValueError(request.error)
+        self._enqueue(request)
+        return request.request_id
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (only while no request holds blocks); returns success."""
+        return self.pool.reset_prefix_cache()
+
+    # -- one step of the engine --------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one step; returns the outputs of the requests it advanced."""
+        out = self.scheduler.schedule()
+        self.last_schedule = out
+        ended = list(out.finished)
+        if out.scheduled:
+            sampled = self.model_runner.execute(out, self.pool)
+            ended += self.scheduler.update(out, sampled.token_ids.tolist(), sampled.logprobs.tolist())
+            ended += self._check_stop_strings(out.sample_seqs)
+        elif not ended and self.scheduler.has_unfinished():
+            raise RuntimeError("the scheduler could not run anything: no request fits (a bug)")
+        touched = dict.fromkeys(s.request_id for s in [*out.sample_seqs, *ended])
+        outputs = [self._output(self.requests[rid]) for rid in touched if rid in self.requests]
+        for o in outputs:
+            if o.finished:
+                del self.requests[o.request_id]
+        return outputs
+
+    # -- requests ----------------------------------------------------------------------------
+    def _build_request(self, item, params, request_id: str | None = None) -> Request:
+        """A Request from one prompt item, with ``error`` set if it cannot be served."""
+        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
+        request = Request(request_id, None, None, params)
+        try:
+            if request_id in self.requests:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            request.prompt, request.prompt_token_ids = self._tokenize(item)
+            if not isinstance(params, SamplingParams):
+                raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            params.validate()
+            self._check_prompt(request.prompt_token_ids, params)
+        except ValueError as e:
+            request.error = str(e)
+        return request
+
+    def _tokenize(self, item) -> tuple[str | None, list[int]]:
+        kind, value = item
+        if kind == "text":
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
+            return value, list(self.tokenizer.encode(value).ids)
+        if kind == "ids":
+            return None, list(value)
+        raise ValueError(f"a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                         f"'prompt_token_ids', got {value!r}")
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """Raise a ValueError for a prompt the engine cannot serve."""
+        n, vocab, bs = len(ids), self.config.vocab_size, self.pool.block_size
+        if n == 0:
+            raise ValueError("the prompt is empty: a request needs at least one token")
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token {i} is {t!r}, not a token id of this model (0..{vocab - 1})")
+        if n >= self.max_model_len:
+            raise ValueError(f"the prompt has {n} tokens but the model's context is {self.max_model_len} "
+                             f"tokens: no room is left to generate")
+        if blocks_needed(n, bs) > self.pool.num_blocks:
+            raise ValueError(f"the prompt has {n} tokens, {blocks_needed(n, bs)} blocks of {bs}, but the whole "
+                             f"KV cache has {self.pool.num_blocks} blocks")
+        if n > self.scheduler.max_num_batched_tokens:
+            raise ValueError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
+                             f"{self.scheduler.max_num_batched_tokens} (prompts are not split into chunks)")
+        if params.n > self.scheduler.max_num_seqs:
+            raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.scheduler.max_num_seqs}")
+
+    def _enqueue(self, request: Request) -> None:
+        """Make the request's n sequences; the first is scheduled, the others fork off it."""
+        p = request.params
+        request.seqs = [Sequence(next(self._seq_ids), request.request_id, request.prompt_token_ids, p, index=i,
+                                 generator=self._generator(p, i)) for i in range(p.n)]
+        request.seqs[0].forks = request.seqs[1:]
+        self.requests[request.request_id] = request
+        self.scheduler.add(request.seqs[0])
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Sample ``index``'s own RNG: seeded with ``seed + index``, or from the engine's seed."""
+        if params.greedy:
+            return None
+        seed = params.seed + index if params.seed is not None else self._seeds.getrandbits(63)
+        return self.model_runner.new_generator(seed % 2**63)
+
+    # -- text ----------------------------------------------------------------------------------
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+
+    def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Finish the sequences whose text now contains one of their stop strings."""
+        stopped = []
+        for seq in seqs:
+            if seq.is_finished or not seq.params.stop_strings:
+                continue
+            hit = _first_stop(self._decode(seq.output_token_ids), seq.params.stop_strings)
+            if hit is not None:
+                self.scheduler.finish_sequence(seq, "stop", stop_reason=hit[1])
+                stopped.append(seq)
+        return stopped
+
+    def _text(self, seq: Sequence) -> str:
+        text = self._decode(seq.output_token_ids)
+        if isinstance(seq.stop_reason, str):
+            hit = _first_stop(text, seq.params.stop_strings)
+            if hit is not None:
+                text = text[:hit[0]]
+        return text
+
+    def _output(self, request: Request) -> RequestOutput:
+        outputs = [CompletionOutput(s.index, self._text(s), s.output_token_ids, s.cumulative_logprob,
+                                    s.finish_reason, s.stop_reason) for s in request.seqs]
+        error = request.error or next((s.error for s in request.seqs if s.error), None)
+        cached = request.seqs[0].num_cached_tokens if request.seqs else None
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
+                             request.finished, error, cached or 0)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+def _load(model, tokenizer, dtype, device):
+    """``(model, tokenizer)`` from a checkpoint folder, a model object, or the default model."""
+    from kvlab.models import LlamaForCausalLM, load_model
+
+    if isinstance(model, LlamaForCausalLM):
+        if dtype is not None:
+            from kvlab.models.loader import resolve_dtype
+
+            model = model.to(resolve_dtype(dtype))
+        return model.eval(), tokenizer
+    if model is None:
+        if not DEFAULT_MODEL.is_dir():
+            raise FileNotFoundError(f"the course's default model is not installed (expected at {DEFAULT_MODEL}); "
+                                    f"pass LLM(model=<checkpoint folder>)")
+        model = DEFAULT_MODEL
+    loaded, loaded_tokenizer, _ = load_model(model, dtype=dtype, device=device, require_tokenizer=False)
+    return loaded, tokenizer if tokenizer is not None else loaded_tokenizer
+
+
+def _context_length(config, max_model_len: int | None) -> int:
+    limit = config.max_position_embeddings
+    if max_model_len is None:
+        return limit
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
+        raise ValueError(f"max_model_len must be an int in 2..{limit} (the model's max_position_embeddings), "
+                         f"got {max_model_len!r}")
+    return max_model_len
+
+
+def _is_token_list(x) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _prompt_item(p):
+    """One prompt as ``("text", str)``, ``("ids", list)`` or ``("bad", p)``."""
+    if isinstance(p, str):
+        return ("text", p)
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return _prompt_item(list(p["prompt_token_ids"])) if _is_token_list(p["prompt_token_ids"]) else ("bad", p)
+        if "prompt" in p:
+            return _prompt_item(p["prompt"])
+    if isinstance(p, (list, tuple)) and all(not isinstance(t, (list, tuple, str, dict)) for t in p):
+        return ("ids", list(p))          # ids are checked against the vocabulary later
+    return ("bad", p)
+
+
+def _prompt_items(prompts, prompt_token_ids) -> list:
+    if prompts is not None and prompt_token_ids is not None:
+        raise ValueError("pass prompts or prompt_token_ids, not both")
+    if prompt_token_ids is not None:
+        if _is_token_list(prompt_token_ids) and prompt_token_ids:
+            return [("ids", list(prompt_token_ids))]
+        return [_prompt_item(list(p)) if isinstance(p, (list, tuple)) else ("bad", p) for p in prompt_token_ids]
+    if prompts is None:
+        raise ValueError("generate needs prompts (or prompt_token_ids)")
+    if isinstance(prompts, (str, dict)) or (_is_token_list(prompts) and prompts):
+        return [_prompt_item(prompts)]
+    return [_prompt_item(p) for p in prompts]
+
+
+def _params_per_prompt(sampling_params, num_prompts: int) -> list:
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, (list, tuple)):
+        if len(sampling_params) != num_prompts:
+            raise ValueError(f"{len(sampling_params)} sampling_params for {num_prompts} prompts: give one, "
+                             f"or one per prompt")
+        return list(sampling_params)
+    return [sampling_params] * num_prompts
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """``(index, stop)`` of the earliest stop string in ``text``, or None."""
+    hits = [(text.find(s), s) for s in stops if s in text]
+    return min(hits) if hits else None
+
+
+def _progress_bar(total: int, use_tqdm: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="req", disable=not use_tqdm or total <= 1,
+                dynamic_ncols=True)

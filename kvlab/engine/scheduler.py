@@ -1,0 +1,269 @@
+"""Scheduler: continuous batching over the paged KV cache.
+
+Every step it decides which sequences run and how many of their tokens the model computes:
+
+1. **Running sequences decode.** Each needs a slot for one more token. If the pool has no
+   block for it, the most recently admitted running sequence is *preempted*: its blocks go
+   back to the pool and it returns to the front of the waiting queue, keeping its generated
+   tokens, to be recomputed later as prompt + output ("recompute" preemption). A sequence
+   that cannot grow even when it is the only one left can never fit: it finishes with an
+   error instead.
+2. **Waiting sequences are admitted**, first come first served, while ``max_num_seqs``, the
+   token budget ``max_num_batched_tokens`` and the pool's free blocks allow (but not in a
+   step that had to preempt: memory is short). An admitted sequence computes its whole prompt
+   at once (no chunking yet), less the tokens the prefix cache already holds.
+
+A prefill and decodes share one step, packed together (as in vLLM's current engine).
+:meth:`Scheduler.update` then appends each sampled token, forks the extra samples of a
+request (``n > 1``) off its first sample once the prompt is computed, so they share its
+blocks (:meth:`BlockPool.fork`), and retires finished sequences, freeing their blocks.
+
+The scheduler only books blocks: the copy-on-write pairs the pool records while it plans a
+step travel in :attr:`SchedulerOutput.blocks_to_copy`, for the model runner to copy before
+the forward pass.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvlab.errors import OutOfBlocksError
+from kvlab.engine.sequence import Sequence, SequenceStatus
+from kvlab.paging.block_pool import BlockPool, blocks_needed, check_count
+
+
+@dataclass
+class ScheduledSequence:
+    """One sequence of a step: it computes positions ``start .. start + num_new - 1``."""
+
+    seq: Sequence
+    start: int
+    num_new: int
+    is_prefill: bool = False   # admitted this step (a prompt, or prompt + output after preemption)
+    forks: list[Sequence] = field(default_factory=list)  # samples to fork off it after this step
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step runs, and what the scheduler did to get there."""
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    finished: list[Sequence] = field(default_factory=list)   # failed while scheduling
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new for s in self.scheduled)
+
+    @property
+    def requests(self) -> list[tuple[int, int, int]]:
+        """``(seq_id, start, num_new)`` per scheduled sequence, for ``AttentionContext.from_pool``."""
+        return [(s.seq.seq_id, s.start, s.num_new) for s in self.scheduled]
+
+    @property
+    def sample_seqs(self) -> list[Sequence]:
+        """The sequences that get a token this step, in the order the sampler fills them:
+        each scheduled sequence, followed by the samples forked off it."""
+        return [seq for s in self.scheduled for seq in (s.seq, *s.forks)]
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.preempted or self.finished)
+
+
+class Scheduler:
+    """FCFS continuous batching with recompute preemption, on a :class:`BlockPool`."""
+
+    def __init__(self, pool: BlockPool, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 max_model_len: int | None = None, eos_token_ids=()):
+        check_count("max_num_seqs", max_num_seqs, minimum=1)
+        check_count("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                             f"({max_num_seqs}): every running sequence decodes one token per step")
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []        # in admission order, oldest first
+        # counters, for tests and notebooks
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self.num_copied_blocks = 0
+        self.peak_used_blocks = 0
+        self._unrecorded: SchedulerOutput | None = None   # a step not yet passed to update()
+
+    # -- queues ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence (its ``forks`` join the batch after its prompt is computed)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning a step ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step: book its blocks and say what runs (see the module docstring)."""
+        if self._unrecorded is not None:
+            raise RuntimeError("the previous step has not been recorded: call update() with its tokens first")
+        out = SchedulerOutput()
+        budget = self._schedule_running(out)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        out.blocks_to_copy = self.pool.take_copies()
+        self.num_steps += 1
+        self.num_copied_blocks += len(out.blocks_to_copy)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+        self._unrecorded = out if out.scheduled else None
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput) -> int:
+        """Book one slot for every running sequence, preempting the youngest when blocks run out;
+        returns the token budget left."""
+        queue, kept = deque(self.running), []
+        while queue:
+            seq = queue.popleft()
+            if not self._make_room(seq, queue, kept, out):
+                continue
+            self.pool.append(seq.seq_id, 1, [seq.last_token_id])
+            kept.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, 1))
+        self.running = kept
+        return self.max_num_batched_tokens - len(kept)
+
+    def _make_room(self, seq: Sequence, queue: deque, kept: list, out: SchedulerOutput) -> bool:
+        """Free blocks until ``seq`` can take one more token; False if ``seq`` itself had to go."""
+        if blocks_needed(seq.num_tokens, self.pool.block_size) > self.pool.num_blocks:
+            self._fail(seq, self._too_big(seq), out)
+            return False
+        while not self.pool.can_append(seq.seq_id, 1):
+            if queue:                      # the most recently admitted sequence yields
+                self._preempt(queue.pop(), out)
+            elif kept:                     # seq is the most recent one left
+                self._preempt(seq, out)
+                return False
+            else:                          # alone, and still no room: it can never fit
+                self._fail(seq, self._too_big(seq), out)
+                return False
+        return True
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting sequences in arrival order while sequences, tokens and blocks allow."""
+        num_seqs = len(self.running)
+        while self.waiting:
+            seq = self.waiting[0]
+            problem = self._never_fits(seq)
+            if problem:
+                self.waiting.popleft()
+                self._fail(seq, problem, out)
+                continue
+            width = 1 + len(seq.forks)     # its samples all run from the next step on
+            # The budget check counts the whole prompt: the prefix-cache hit is known only
+            # once the blocks are booked, and a booking cannot be taken back (its full blocks'
+            # hashes are registered at once).
+            if num_seqs + width > self.max_num_seqs or seq.num_tokens > budget:
+                break
+            try:
+                self.pool.allocate(seq.seq_id, seq.num_tokens, seq.token_ids)
+            except OutOfBlocksError:
+                break
+            self.waiting.popleft()
+            budget -= self._admit(seq, out)
+            num_seqs += width
+
+    def _admit(self, seq: Sequence, out: SchedulerOutput) -> int:
+        cached = self.pool.num_cached_tokens.get(seq.seq_id, 0)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens = cached
+        seq.num_computed_tokens = cached
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSequence(seq, cached, seq.num_tokens - cached, is_prefill=True,
+                                               forks=list(seq.forks)))
+        return seq.num_tokens - cached
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        """Why ``seq`` can never be admitted, or None."""
+        if 1 + len(seq.forks) > self.max_num_seqs:
+            return f"n={1 + len(seq.forks)} samples exceed max_num_seqs={self.max_num_seqs}"
+        if seq.num_tokens > self.max_num_batched_tokens:
+            return (f"sequence has {seq.num_tokens} tokens to compute in one step, more than "
+                    f"max_num_batched_tokens={self.max_num_batched_tokens} (prompts are not split "
+                    f"into chunks)")
+        if blocks_needed(seq.num_tokens, self.pool.block_size) > self.pool.num_blocks:
+            return self._too_big(seq)
+        return None
+
+    def _too_big(self, seq: Sequence) -> str:
+        bs = self.pool.block_size
+        return (f"the KV cache is too small: the sequence needs {blocks_needed(seq.num_tokens, bs)} blocks "
+                f"of {bs} tokens to go on, the whole cache has {self.pool.num_blocks}")
+
+    # -- changing a sequence's state ---------------------------------------------------------
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.pool.free(seq.seq_id)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)       # it arrived before everything still waiting
+        out.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def _fail(self, seq: Sequence, message: str, out: SchedulerOutput) -> None:
+        for s in (seq, *seq.forks):
+            self.finish_sequence(s, "error", error=message)
+            out.finished.append(s)
+        seq.forks = []
+
+    def finish_sequence(self, seq: Sequence, reason: str, stop_reason=None, error: str | None = None) -> None:
+        """End ``seq`` now (a stop string, an error): free its blocks and drop it from the queues."""
+        seq.finish(reason, stop_reason=stop_reason, error=error)
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.seq_id in self.pool:
+            self.pool.free(seq.seq_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+
+    # -- after the step ----------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled_token_ids, logprobs=None) -> list[Sequence]:
+        """Record a step's results: ``sampled_token_ids[i]`` (and ``logprobs[i]``) belong to
+        ``out.sample_seqs[i]``. Returns the sequences that finished."""
+        if out.scheduled and out is not self._unrecorded:
+            raise ValueError("update() takes the output of the latest schedule(), once")
+        samples = out.sample_seqs
+        tokens = [int(t) for t in sampled_token_ids]
+        if len(tokens) != len(samples):
+            raise ValueError(f"the step sampled {len(tokens)} tokens for {len(samples)} sequences")
+        self._unrecorded = None
+        logprobs = [0.0] * len(tokens) if logprobs is None else [float(x) for x in logprobs]
+        for item in out.scheduled:
+            item.seq.num_computed_tokens = item.start + item.num_new
+            self._fork(item)
+        finished = []
+        for seq, token, logprob in zip(samples, tokens, logprobs):
+            seq.append_token(token, logprob)
+            if seq.check_stop(self.eos_token_ids, self.max_model_len):
+                finished.append(seq)
+        for seq in finished:
+            self._release(seq)
+        return finished
+
+    def _fork(self, item: ScheduledSequence) -> None:
+        """The parent's prompt is computed: its other samples start sharing its blocks."""
+        parent = item.seq
+        if not item.forks:
+            return
+        at = self.running.index(parent) + 1
+        for child in item.forks:
+            self.pool.fork(parent.seq_id, child.seq_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.num_cached_tokens = parent.num_cached_tokens
+            child.status = SequenceStatus.RUNNING
+        self.running[at:at] = item.forks
+        parent.forks = []
