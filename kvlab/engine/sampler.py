@@ -55,6 +55,7 @@ def apply_top_p(logits: torch.Tensor, top_p) -> torch.Tensor:
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs     # of the strictly likelier tokens
     drop_sorted = (mass_before >= p[:, None]) & (p[:, None] < 1)
+    drop_sorted &= sorted_probs < sorted_probs[:, :1]               # tokens tied with the top all stay
     drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
