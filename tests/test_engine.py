@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kvlab  # noqa: F401  (profile first)
+from helpers import tiny_tokenizer
 from kvlab.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
 from kvlab.models import LlamaForCausalLM, ModelConfig, load_model, register_attention_backend, save_model
 
@@ -22,20 +23,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def tiny_tokenizer():
-    """A byte-level BPE tokenizer trained in a blink on a few lines of code."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def f(self):\n    return self.x\n", "import os\nfor i in range(10):\n"] * 4,
-                            trainer=trainer)
-    return tok
 
 
 def tiny_model(vocab_size: int) -> LlamaForCausalLM:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvlab  # noqa: F401  (profile first)
+from helpers import tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,18 +32,6 @@ CASES = {
                                            rope_theta=1000000.0)),
     "mistral": ("MistralConfig", dict(num_key_value_heads=1, tie_word_embeddings=False, sliding_window=None)),
 }
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def f(self):\n    return self.x\n"] * 4, trainer=trainer)
-    return tok
 
 
 def hf_model(config_class: str, kw: dict, seed: int = 0):

@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvlab  # noqa: F401  (profile first)
+from helpers import tiny_tokenizer
 from kvlab.models import (
     AttentionContext,
     CheckpointError,
@@ -37,19 +38,6 @@ def tiny_model(config=None, seed=0) -> LlamaForCausalLM:
     model = LlamaForCausalLM(config or tiny_config())
     model.reset_parameters(std=0.2, seed=seed)
     return model.eval()
-
-
-def tiny_tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=["<|endoftext|>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def f(self):\n    return self.x\n", "import os\nfor i in range(10):\n"] * 4,
-                            trainer=trainer)
-    return tok
 
 
 def hf_dict(**kw) -> dict:

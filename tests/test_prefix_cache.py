@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvlab
+from helpers import attempt_unchanged
 from kvlab.paging import BlockPool, blocks_needed
 from kvlab.paging.prefix_hash import ROOT, hash_block, hash_blocks, root_hash
 from kvlab.reference import copy_blocks_ref, gather_kv, write_kv_ref
@@ -426,18 +427,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     # -- helpers ------------------------------------------------------------------------
     def attempt(self, call, expected_exc=None, match=None):
         """Run ``call``; if it raises, check that nothing changed. Returns (exception, result)."""
-        before = snapshot(self.pool)
-        try:
-            result = call()
-        except Exception as exc:  # noqa: BLE001 - any failure must leave the pool unchanged
-            assert snapshot(self.pool) == before, f"{type(exc).__name__} changed the pool"
-            assert expected_exc is not None, f"unexpected {type(exc).__name__}: {exc}"
-            assert isinstance(exc, expected_exc), (exc, expected_exc)
-            if match is not None:
-                assert match in str(exc), (match, str(exc))
-            return exc, None
-        assert expected_exc is None, f"expected {expected_exc.__name__}, got result {result!r}"
-        return None, result
+        return attempt_unchanged(self.pool, snapshot, call, expected_exc, match)
 
     def write(self, seq, start, tokens):
         slots = torch.tensor(self.pool.slot_mapping(seq, start, len(tokens)), dtype=torch.int64)
