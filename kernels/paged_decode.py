@@ -1,0 +1,212 @@
+"""paged_decode: FlashDecoding, attention of one new token per sequence over its paged KV.
+
+A decode step has one query token per sequence, so a kernel that gives each (sequence, KV
+head) one program launches only ``batch * num_kv_heads`` programs: at small batch most of
+the GPU idles while a few programs stream long caches. FlashDecoding also splits each
+sequence's KV length into ``num_splits`` ranges:
+
+* **stage 1** (``decode_split_kernel``): program (sequence, KV head, split) reads its range
+  of the cache through the block table and computes, for every query head that shares this
+  KV head (GQA: the K/V tile is read once for the whole group), the partial output over its
+  range, normalised, and its log-sum-exp;
+* **stage 2** (``merge_splits_kernel``): per (sequence, query head), the partial outputs are
+  merged with weights ``exp(lse_g - max lse)``: that re-weights each split's softmax by its
+  share of the total softmax mass.
+
+With ``num_splits=1`` stage 1 writes the final output itself: the non-split kernel the
+chapter compares against.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlab.kernels.checks import check_kv_cache_pair, check_same_device
+
+MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
+
+
+@triton.jit
+def decode_split_kernel(
+    q_ptr,                 # [batch, num_heads, HEAD_DIM]
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    block_tables_ptr,      # [batch, max_blocks] int32
+    seq_lens_ptr,          # [batch] int32
+    out_ptr,               # num_splits == 1: [batch, num_heads, HEAD_DIM]; else [batch, num_heads, num_splits, HEAD_DIM] fp32
+    lse_ptr,               # [batch, num_heads, num_splits] fp32
+    sm_scale,
+    num_kv_heads, max_blocks, num_splits, tokens_per_split,
+    GROUP: tl.constexpr,        # query heads per KV head
+    GROUP_PAD: tl.constexpr,    # GROUP rounded up to 16 rows, the smallest tl.dot tile
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,   # tokens per cache block (page)
+    BLOCK_N: tl.constexpr,      # tokens per tile: a few pages
+    WRITE_FINAL: tl.constexpr,  # one split: write the normalised output directly
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)   # the query heads of this GQA group
+    head_mask = tl.arange(0, GROUP_PAD) < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (seq * num_kv_heads * GROUP + heads)[:, None] * HEAD_DIM + dims[None, :],
+                mask=head_mask[:, None], other=0.0)
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores
+    l = tl.zeros([GROUP_PAD], tl.float32)                 # running sum of exp(score - m)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)     # running sum of exp(score - m) * v
+    row_stride = num_kv_heads * HEAD_DIM                  # elements between two token slots
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        # Through the block table: logical position -> physical slot of the paged cache.
+        page = tl.load(block_tables_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        offs = slot[:, None] * row_stride + kv_head * HEAD_DIM + dims[None, :]
+        k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+
+        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale   # [GROUP_PAD, BLOCK_N]
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        # Online softmax: a larger max rescales what was summed so far by exp(m_old - m_new).
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        m = m_new
+
+    # An empty range (a split past the end of a short sequence) leaves l = 0: it must carry
+    # zero weight in the merge, hence lse = -inf and a zero output.
+    empty = l == 0.0
+    out = acc / tl.where(empty, 1.0, l)[:, None]
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
+    row = seq * num_kv_heads * GROUP + heads
+    if WRITE_FINAL:
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=head_mask[:, None])
+    else:
+        tl.store(out_ptr + ((row * num_splits + split)[:, None]) * HEAD_DIM + dims[None, :], out,
+                 mask=head_mask[:, None])
+    tl.store(lse_ptr + row * num_splits + split, lse, mask=head_mask)
+
+
+@triton.jit
+def merge_splits_kernel(
+    partial_ptr,   # [batch * num_heads, num_splits, HEAD_DIM] fp32, each split normalised
+    lse_ptr,       # [batch * num_heads, num_splits] fp32
+    out_ptr,       # [batch * num_heads, HEAD_DIM]
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+):
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
+    # out = sum_g exp(lse_g - lse_max) * out_g / sum_g exp(lse_g - lse_max): lse_g = m_g + log l_g,
+    # so each weight is split g's softmax mass l_g * exp(m_g), scaled by a common exp(-lse_max).
+    weights = tl.exp(lse - tl.max(lse, axis=0))
+    dims = tl.arange(0, HEAD_DIM)
+    partial = tl.load(partial_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=(splits < num_splits)[:, None], other=0.0)
+    out = tl.sum(weights[:, None] * partial, axis=0) / tl.sum(weights, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough splits for about two programs per SM, none shorter than MIN_TOKENS_PER_SPLIT."""
+    programs = batch * num_kv_heads
+    wanted = math.ceil(2 * num_sms / programs)
+    return max(1, min(wanted, math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)))
+
+
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, sm_scale=None, *,
+                 max_seq_len: int | None = None, block_n: int | None = None, validate: bool = True,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``q [batch, num_heads, head_dim]`` (one token per sequence) over its cache.
+
+    ``seq_lens[i]`` tokens of sequence ``i`` (the new one included) are read through
+    ``block_tables[i]``. ``num_splits=None`` picks the split count from the GPU's SM count,
+    the batch, the KV heads and ``max_seq_len`` (read from ``seq_lens`` if not given).
+    Returns ``[batch, num_heads, head_dim]`` in ``q``'s dtype (into ``out`` if given).
+    """
+    if validate:
+        check_paged_decode_args(q, k_cache, v_cache, block_tables, seq_lens, num_splits, out)
+    batch, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    out = torch.empty_like(q) if out is None else out
+    if batch == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device))
+    block_n = block_n or (64 if q.is_cuda else 16)
+    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
+    lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    final = num_splits == 1
+    partial = out if final else torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
+                                            device=q.device)
+    q = q.contiguous()
+    decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, partial, lse, sm_scale,
+        num_kv_heads, block_tables.shape[1], num_splits, tokens_per_split,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final)
+    if not final:
+        merge_splits_kernel[(batch * num_heads,)](partial, lse, out, num_splits, HEAD_DIM=head_dim,
+                                                  SPLITS_PAD=triton.next_power_of_2(num_splits))
+    return out
+
+
+def check_paged_decode_args(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, out=None) -> None:
+    """Raise TypeError/ValueError naming the first argument of paged_decode that breaks a rule."""
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache_pair(k_cache, v_cache)
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError("q must be a [batch, num_heads, head_dim] tensor")
+    if q.dtype != k_cache.dtype:
+        raise TypeError(f"q has dtype {q.dtype}, the cache has {k_cache.dtype}")
+    if q.shape[2] != head_dim or head_dim < 16 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must match the cache's {head_dim} and be a power of two >= 16, "
+                         f"got q with head_dim {q.shape[2]}")
+    if q.shape[1] % num_kv_heads:
+        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the cache's {num_kv_heads} KV heads")
+    batch = q.shape[0]
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
+            raise TypeError(f"{name} must be an int32 tensor")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or not block_tables.is_contiguous():
+        raise ValueError(f"block_tables must be a contiguous [{batch}, max_blocks] tensor, "
+                         f"got {list(block_tables.shape)}")
+    if seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must have shape [{batch}], got {list(seq_lens.shape)}")
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must match q: {list(q.shape)} {q.dtype}")
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
+    if batch == 0:
+        return
+    capacity = block_tables.shape[1] * block_size
+    if bool((seq_lens < 1).any()) or bool((seq_lens > capacity).any()):
+        i = int(((seq_lens < 1) | (seq_lens > capacity)).nonzero()[0])
+        raise ValueError(f"seq_lens[{i}] = {int(seq_lens[i])} must be in 1..{capacity} "
+                         f"(block_tables holds {block_tables.shape[1]} blocks of {block_size})")
+    used = torch.arange(block_tables.shape[1], device=q.device)[None, :] * block_size < seq_lens[:, None]
+    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0])
+        raise ValueError(f"block_tables[{i}, {j}] = {int(block_tables[i, j])} is out of range 0..{num_blocks - 1}")
