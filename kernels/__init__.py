@@ -5,7 +5,8 @@ interpreter, so these kernels run everywhere on the same code path.
 """
 import kvlab  # noqa: F401  (sets the profile before triton is imported)
 from kvlab.kernels.copy_blocks import copy_blocks
+from kvlab.kernels.flash_attention import flash_attention, paged_prefill
 from kvlab.kernels.paged_decode import paged_decode
 from kvlab.kernels.write_kv import write_kv
 
-__all__ = ["copy_blocks", "paged_decode", "write_kv"]
+__all__ = ["copy_blocks", "flash_attention", "paged_decode", "paged_prefill", "write_kv"]

@@ -325,3 +325,17 @@ def test_cache_size_on_the_cpu(checkpoint, monkeypatch):
     assert LLM(checkpoint, block_size=BLOCK, num_gpu_blocks=3).pool.num_blocks == 3
     # in the Triton interpreter the PyTorch reference stays: "auto" picks no backend of its own
     assert runner.pick_attention_backend("auto", torch.device("cpu")) is None
+
+
+def test_greedy_through_the_triton_kernels(checkpoint, reference):
+    """The course's kernels as the engine's backend (paged_prefill for prompts, paged_decode
+    for decode steps; interpreted here) give the no-cache loop's greedy tokens, prefix hits
+    and all."""
+    model, _ = reference
+    prompts = ragged_prompts(seed=1, shared_prefix=BLOCK + 3)[1:4]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm = LLM(checkpoint, block_size=BLOCK, enable_prefix_caching=True, attention_backend="triton")
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == model.generate(prompt, 4, eos_token_id=-1)
+    assert_pool_empty(llm)

@@ -14,7 +14,8 @@ with different ``query_lens``.
 The paged attention itself is a swappable backend: :func:`paged_attention` calls whatever
 :func:`set_attention_backend` chose (``"reference"``, the plain PyTorch gather-then-attend of
 :func:`kvlab.reference.paged_attention_ref`, until the course's Triton kernels register
-themselves with :func:`register_attention_backend`).
+themselves with :func:`register_attention_backend`), or ``"triton"``: the course's kernels,
+``paged_decode`` for decode steps and ``paged_prefill`` otherwise.
 """
 from __future__ import annotations
 
@@ -91,7 +92,18 @@ def _paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, quer
     return out.to(q.dtype)
 
 
-_BACKENDS: dict[str, PagedAttentionFn] = {"reference": _paged_attention_reference}
+def _paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale):
+    """The course's kernels: FlashDecoding when every sequence brings one token (a decode
+    step), else the paged prefill/extend kernel. Arguments were built by the engine: no checks."""
+    from kvlab.kernels import paged_decode, paged_prefill
+
+    if q.shape[0] == query_lens.shape[0]:          # one query per sequence
+        return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, sm_scale=sm_scale, validate=False)
+    return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale=sm_scale,
+                         validate=False)
+
+
+_BACKENDS: dict[str, PagedAttentionFn] = {"reference": _paged_attention_reference, "triton": _paged_attention_triton}
 _active_backend = "reference"
 
 

@@ -1,0 +1,559 @@
+"""FlashAttention-2 forward: attention without ever writing the score matrix down.
+
+For one query ``q``, attention is ``softmax(q @ K.T * sm_scale) @ V``. Done naively, every query
+row produces ``len_k`` scores that go to memory and come back for the softmax and again for
+the product with ``V``. FlashAttention keeps them on chip: one program owns ``BLOCK_M`` query
+rows, keeps their output accumulator in registers, and streams K and V past them in tiles of
+``BLOCK_N`` keys. After each tile it folds the tile's scores into a *running* softmax (the
+online softmax): a running max ``m`` and a running sum ``l`` per row, and an accumulator that
+is rescaled whenever the max grows. Only the output (and, if asked, the log-sum-exp of each
+row) is ever written.
+
+Two kernels run that same loop and differ only in where a tile of K/V comes from:
+
+* :func:`flash_attention`: K and V are ordinary tensors, one sequence after another
+  (``[batch, heads, len, head_dim]``, or packed ``[total_tokens, heads, head_dim]`` with
+  ``cu_seqlens``).
+* :func:`paged_prefill`: K and V live in the paged cache; each key's slot is found through the
+  sequence's block table. This is the engine's prefill/extend attention: new tokens attend to
+  the cached prefix and to themselves.
+
+Causal attention is bottom-right aligned: a sequence's ``len_q`` queries are its *last*
+``len_q`` positions, so query ``i`` sees keys ``0 .. len_k - len_q + i`` (prefill, decode and
+extending a cached prefix are one rule). See :func:`kvlab.reference.attention_ref`.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+import triton
+import triton.language as tl
+
+from kvlab import profile
+from kvlab.kernels.checks import check_kv_cache_pair, check_same_device
+
+LOG2_E = 1.4426950408889634  # scores are scaled by log2(e) so the kernels can use exp2
+
+
+# -- the loop body both kernels share ---------------------------------------------------
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k, v, offs_m, offs_n, len_k, causal_shift, qk_scale,
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of keys (``k``, ``v``: [BLOCK_N, HEAD_DIM]) into the running softmax of the
+    program's queries (``q``: [BLOCK_M, HEAD_DIM]). ``offs_m``/``offs_n`` are the positions of the
+    rows and keys within their sequence. Returns the updated ``(acc, m_i, l_i)``."""
+    # Scores in base 2: 2 ** (x * log2(e)) == e ** x, and exp2 is the fast hardware exponential.
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        # Only the tiles that cross the end of the keys or the causal diagonal pay for a mask.
+        visible = offs_n[None, :] < len_k
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # The online-softmax rescale, the heart of FlashAttention. acc and l_i are sums of
+    # exp2(s - m_i) over the keys seen so far, measured against the old running max m_i.
+    # Measured against the new max m_new, each of those terms is smaller by the same factor
+    # alpha = exp2(m_i - m_new) <= 1, so one multiplication re-bases the whole past; then this
+    # tile's terms are added against m_new. Nothing seen earlier has to be recomputed, and no
+    # exponent ever exceeds 0, so nothing overflows. On the first tile m_i = -inf and alpha = 0.
+    # (m_new is finite from the first tile on: key 0 is in it, and every query sees key 0.)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # p is cast to V's dtype so the second product runs on the tensor cores like the first;
+    # the accumulator itself stays float32.
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _causal_bounds(start_m, len_q, len_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """Which keys the queries ``start_m .. start_m + BLOCK_M - 1`` need, as two ranges of tiles:
+    ``[0, full_end)`` is seen by every one of them (no mask), ``[full_end, end)`` by some of them
+    (masked). Causal query ``i`` sees keys ``0 .. i + shift`` with ``shift = len_k - len_q``."""
+    if CAUSAL:
+        shift = len_k - len_q
+        full_end = start_m + shift + 1                          # the block's first query sees this many
+        end = tl.minimum(start_m + BLOCK_M + shift, len_k)      # its last query sees this many
+    else:
+        shift = 0
+        full_end = len_k
+        end = len_k
+    # Whole tiles only in the unmasked range; the rest (the diagonal, the ragged end) is masked.
+    # Tiles past `end` are never loaded: that is the causal saving, about half the work.
+    full_end = (full_end // BLOCK_N) * BLOCK_N
+    return full_end, end, shift
+
+
+# -- contiguous K/V ----------------------------------------------------------------------
+@triton.jit
+def flash_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    cu_seqlens_q_ptr, cu_seqlens_k_ptr,   # [batch + 1] int32 row offsets (packed form only)
+    len_q, len_k,                         # every sequence's lengths (batched form only)
+    # Strides of (batch, token, head) of each tensor; head_dim is contiguous. In the packed
+    # form the batch stride is 0: cu_seqlens say where a sequence's rows start.
+    stride_qb, stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh,
+    stride_lb, stride_lt, stride_lh,
+    group,                                # num_heads // num_kv_heads: query heads per KV head
+    qk_scale,                             # sm_scale * log2(e)
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, VARLEN: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # One program: BLOCK_M queries of one head of one sequence.
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    kv_head = head // group               # grouped-query attention: a KV head serves `group` query heads
+    if VARLEN:
+        q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+        len_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+        k_start = tl.load(cu_seqlens_k_ptr + seq).to(tl.int64)
+        len_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    else:
+        q_start = 0
+        k_start = 0
+    start_m = pid_m * BLOCK_M
+    if start_m >= len_q:                  # the grid is sized for the longest sequence
+        return
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + seq * stride_qb + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :]
+    k_base = k_ptr + seq * stride_kb + k_start * stride_kt + kv_head * stride_kh
+    v_base = v_ptr + seq * stride_vb + k_start * stride_vt + kv_head * stride_vh
+
+    # The program's queries stay in registers for the whole loop; rows past the end read 0.
+    q = tl.load(q_ptrs, mask=offs_m[:, None] < len_q, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)   # running max of each row's scores
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                 # running sum of exp2(score - m_i)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)       # running sum of exp2(score - m_i) * v
+
+    full_end, end, shift = _causal_bounds(start_m, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL)
+    # Tiles every query sees in full: no masks at all.
+    for start_n in range(0, full_end, BLOCK_N):
+        kv_rows = (start_n + offs_n)[:, None]
+        k = tl.load(k_base + kv_rows * stride_kt + offs_d[None, :])
+        v = tl.load(v_base + kv_rows * stride_vt + offs_d[None, :])
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
+                                     MASKED=False, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
+    # Tiles on the causal diagonal or past the last key: masked.
+    for start_n in range(full_end, end, BLOCK_N):
+        kv_rows = (start_n + offs_n)[:, None]
+        k = tl.load(k_base + kv_rows * stride_kt + offs_d[None, :], mask=kv_rows < len_k, other=0.0)
+        v = tl.load(v_base + kv_rows * stride_vt + offs_d[None, :], mask=kv_rows < len_k, other=0.0)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
+                                     MASKED=True, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
+
+    # The softmax's denominator is applied once, at the end, not to every tile.
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + seq * stride_ob + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < len_q)
+    if RETURN_LSE:
+        # log(sum_j e^{x_j}) = ln 2 * (m + log2(l)): m and l are in base 2. A backward pass (or
+        # merging partial results, chapter 6) needs exactly this one float per row.
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453   # ln 2
+        lse_ptrs = lse_ptr + seq * stride_lb + (q_start + offs_m) * stride_lt + head * stride_lh
+        tl.store(lse_ptrs, lse, mask=offs_m < len_q)
+
+
+# -- K/V in the paged cache ----------------------------------------------------------------
+@triton.jit
+def _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, seq_len, kv_head,
+                   BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   MASKED: tl.constexpr):
+    """K and V of the tokens at positions ``pos`` [BLOCK_N] of one sequence, read through its
+    block table: token ``pos`` lives in slot ``table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        in_seq = pos < seq_len
+        page = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_seq, other=0)
+    else:
+        page = tl.load(table_ptr + pos // BLOCK_SIZE)
+    slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+    # A slot holds all KV heads of one token; this head's row is HEAD_DIM contiguous elements.
+    offs = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
+    if MASKED:
+        # Masked, not just ignored: a slot past the sequence's end may hold anything, NaN
+        # included, and 0 * NaN would leak into the output through the p @ v product.
+        k = tl.load(k_cache_ptr + offs, mask=in_seq[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=in_seq[:, None], other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + offs)
+        v = tl.load(v_cache_ptr + offs)
+    return k, v
+
+
+@triton.jit
+def paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,   # q, out: [total_q, num_heads, HEAD_DIM]
+    block_tables_ptr,                           # [batch, max_blocks] int32
+    seq_lens_ptr,                               # [batch] int32: cached tokens, the new ones included
+    cu_query_lens_ptr,                          # [batch + 1] int32: where each sequence's queries start
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_table,                               # block_tables.stride(0)
+    group, qk_scale,
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # One program: BLOCK_M new tokens of one head of one sequence.
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    kv_head = head // group
+    q_start = tl.load(cu_query_lens_ptr + seq).to(tl.int64)
+    len_q = tl.load(cu_query_lens_ptr + seq + 1) - q_start
+    start_m = pid_m * BLOCK_M
+    if start_m >= len_q:
+        return
+    # The new tokens are the last len_q of the sequence's seq_len: the causal shift is the
+    # length of the cached prefix.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    table_ptr = block_tables_ptr + seq * stride_table
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=offs_m[:, None] < len_q, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Same bounds, same two loops as flash_attention_kernel; only the K/V loads differ. A tile
+    # of BLOCK_N keys may span several pages (or part of one): each key finds its own page.
+    # Walking keys rather than whole pages keeps BLOCK_N a choice for the tensor cores, free of
+    # the page size (16-token pages would make 16-key tiles, thin for an MMA; 5-token pages
+    # could not be a tile at all). It costs little: each key's row is still HEAD_DIM contiguous
+    # elements, and the table entries a tile reads again and again stay in cache.
+    full_end, end, shift = _causal_bounds(start_m, len_q, seq_len, BLOCK_M, BLOCK_N, True)
+    for start_n in range(0, full_end, BLOCK_N):
+        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, start_n + offs_n, seq_len, kv_head,
+                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, MASKED=False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, seq_len, shift, qk_scale,
+                                     MASKED=False, CAUSAL=True, DOT_PRECISION=DOT_PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, start_n + offs_n, seq_len, kv_head,
+                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, MASKED=True)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, seq_len, shift, qk_scale,
+                                     MASKED=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION)
+
+    out = acc / l_i[:, None]
+    out_ptrs = out_ptr + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < len_q)
+
+
+# -- launchers -----------------------------------------------------------------------------
+def tile_config(head_dim: int, max_len_q: int | None = None) -> dict:
+    """``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` for this machine and head size.
+
+    On a GPU the tiles are what tensor cores like (128 queries x 64 keys; smaller for
+    ``head_dim`` 256 so the tiles still fit in shared memory). In the interpreter, 16 x 16
+    tiles let the short sequences it can run in seconds still cross several tiles, so the loop,
+    the causal diagonal and the ragged end all run. ``BLOCK_M`` shrinks for short queries (a
+    decode step has one), never below 16, the smallest ``tl.dot``.
+    """
+    if profile.INTERPRETED:
+        cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    elif head_dim <= 128:
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4 if head_dim <= 64 else 8, num_stages=3)
+    else:
+        cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
+    if max_len_q is not None:
+        cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], triton.next_power_of_2(max(max_len_q, 1))))
+        if cfg["BLOCK_M"] < 64 and not profile.INTERPRETED:
+            cfg["num_warps"] = 4   # too few rows to share among 8 warps
+    return cfg
+
+
+def _launch_config(head_dim, max_len_q, block_m, block_n, num_warps, num_stages) -> dict:
+    cfg = tile_config(head_dim, max_len_q)
+    for key, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
+                       ("num_stages", num_stages)):
+        if value is not None:
+            cfg[key] = value
+    for key in ("BLOCK_M", "BLOCK_N"):
+        if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
+            raise ValueError(f"{key.lower()} must be a power of two >= 16 (tl.dot's smallest tile), got {cfg[key]}")
+    return cfg
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs: exact products ("ieee"), not TF32's 10-bit mantissas, so float32 is the
+    # accurate reference path. float16/bfloat16 run on the tensor cores either way.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None, cu_seqlens_q=None,
+                    cu_seqlens_k=None, return_lse: bool = False, *, max_seqlen_q: int | None = None,
+                    out: torch.Tensor | None = None, validate: bool = True, block_m: int | None = None,
+                    block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None):
+    """Softmax attention, FlashAttention-2 style; returns ``out`` (and the log-sum-exp if asked).
+
+    Batched form: ``q`` ``[batch, num_heads, len_q, head_dim]``, ``k``/``v`` ``[batch,
+    num_kv_heads, len_k, head_dim]``. Packed form (sequences of different lengths): ``q``
+    ``[total_q, num_heads, head_dim]``, ``k``/``v`` ``[total_k, num_kv_heads, head_dim]``, and
+    int32 ``cu_seqlens_q``/``cu_seqlens_k`` ``[batch + 1]``: sequence ``b``'s rows are
+    ``cu[b] .. cu[b + 1] - 1``. ``num_heads`` must be a multiple of ``num_kv_heads`` (GQA).
+    With ``causal`` query ``i`` of a sequence sees keys ``0 .. len_k - len_q + i``.
+
+    ``out`` (optional) receives the result (``q``'s shape and dtype); the log-sum-exp (natural
+    log, float32) is ``[batch, num_heads, len_q]`` or ``[num_heads, total_q]``. ``validate``
+    checks every argument before the launch (in the packed form that reads ``cu_seqlens`` back
+    to the host); ``max_seqlen_q`` spares the one read the packed grid needs. ``block_m``,
+    ``block_n``, ``num_warps``, ``num_stages`` override :func:`tile_config`.
+    """
+    if validate:
+        check_flash_attention_args(q, k, v, causal, sm_scale, cu_seqlens_q, cu_seqlens_k, out)
+    varlen = cu_seqlens_q is not None
+    head_dim = q.shape[-1]
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if varlen:
+        batch, num_heads, len_q, len_k = cu_seqlens_q.numel() - 1, q.shape[1], 0, 0
+        if max_seqlen_q is None:
+            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
+        lse = torch.empty((num_heads, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
+        # (batch, token, head) strides: the batch stride is 0, rows are found through cu_seqlens.
+        strides = [(0, t.stride(0), t.stride(1)) for t in (q, k, v, out)]
+        strides.append((0, 1, q.shape[0]) if return_lse else (0, 0, 0))
+    else:
+        batch, num_heads, len_q, _ = q.shape
+        len_k = k.shape[2]
+        max_seqlen_q = len_q
+        lse = torch.empty((batch, num_heads, len_q), dtype=torch.float32, device=q.device) if return_lse else None
+        strides = [(t.stride(0), t.stride(2), t.stride(1)) for t in (q, k, v, out)]
+        strides.append((num_heads * len_q, 1, len_q) if return_lse else (0, 0, 0))
+    cfg = _launch_config(head_dim, None, block_m, block_n, num_warps, num_stages)
+    if batch > 0 and max_seqlen_q > 0:
+        grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
+        flash_attention_kernel[grid](
+            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, len_q, len_k, *[s for st in strides for s in st],
+            num_heads // k.shape[1], sm_scale * LOG2_E,
+            HEAD_DIM=head_dim, CAUSAL=bool(causal), VARLEN=varlen, RETURN_LSE=return_lse,
+            DOT_PRECISION=_dot_precision(q.dtype), **cfg)
+    return (out, lse) if return_lse else out
+
+
+def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale: float | None = None, *,
+                  max_query_len: int | None = None, out: torch.Tensor | None = None, validate: bool = True,
+                  block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None) -> torch.Tensor:
+    """Causal attention of a step's new tokens to their sequences' paged K/V (prefill and extend).
+
+    ``q`` ``[total_q, num_heads, head_dim]`` packs every sequence's new tokens in batch order;
+    ``k_cache``/``v_cache`` are one layer's ``[num_blocks, block_size, num_kv_heads, head_dim]``,
+    already holding the new tokens' K/V (``write_kv`` runs first). ``block_tables`` int32
+    ``[batch, max_blocks]``, ``seq_lens`` int32 ``[batch]`` (tokens cached, new ones included),
+    ``query_lens`` int32 ``[batch]`` (new tokens; they are the sequence's last positions).
+    The engine's attention-backend signature; returns ``q``'s shape and dtype.
+
+    ``validate`` checks every argument before the launch, reading the lengths and the used
+    block-table entries back to the host; ``max_query_len`` spares the one read the grid needs.
+    """
+    if validate:
+        check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch = query_lens.shape[0]
+    if max_query_len is None:
+        max_query_len = int(query_lens.max()) if batch > 0 else 0
+    if batch == 0 or num_tokens == 0 or max_query_len == 0:
+        return out
+    # Sequence b's queries are rows cu_query_lens[b] .. cu_query_lens[b + 1] - 1 of q.
+    cu_query_lens = torch.nn.functional.pad(torch.cumsum(query_lens, 0, dtype=torch.int32), (1, 0))
+    cfg = _launch_config(head_dim, max_query_len, block_m, block_n, num_warps, num_stages)
+    grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_heads, batch)
+    paged_prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_lens, cu_query_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
+        num_heads // num_kv_heads, sm_scale * LOG2_E,
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        DOT_PRECISION=_dot_precision(q.dtype), **cfg)
+    return out
+
+
+# -- argument checks -------------------------------------------------------------------------
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_tensor(name, t, dims, what):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {what}, got shape {list(t.shape)}")
+
+
+def _check_dtypes(**tensors):
+    (first_name, first), *rest = tensors.items()
+    if first.dtype not in _DTYPES:
+        raise TypeError(f"{first_name} has dtype {first.dtype}; supported: float16, bfloat16, float32")
+    if first.dtype == torch.bfloat16 and profile.INTERPRETED:
+        raise TypeError(f"{first_name} is bfloat16, which Triton's CPU interpreter cannot compute with: "
+                        "use float32 or float16 there")
+    for name, t in rest:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype}, {first_name} has {first.dtype}: they must match")
+
+
+def _check_heads(num_heads, num_kv_heads, q_name, kv_name):
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{q_name} has {num_heads} heads, which is not a multiple of {kv_name}'s "
+                         f"{num_kv_heads} (each KV head serves an equal group of query heads)")
+
+
+def _check_head_dim(head_dim, kv_head_dim, kv_name):
+    if head_dim != kv_head_dim:
+        raise ValueError(f"q has head_dim {head_dim}, {kv_name} has {kv_head_dim}: they must match")
+    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two from 16 to 256 (whole rows are loaded "
+                         f"without a mask, and tl.dot needs 16 at least), got {head_dim}")
+
+
+def _check_rows_contiguous(**tensors):
+    for name, t in tensors.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim (head_dim), got strides {list(t.stride())}")
+
+
+def _check_sm_scale(sm_scale):
+    if sm_scale is None:
+        return
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
+    if not math.isfinite(sm_scale) or sm_scale <= 0:
+        raise ValueError(f"sm_scale must be finite and positive, got {sm_scale}")
+
+
+def _check_out(out, q):
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(f"out must match q ({list(q.shape)}, {q.dtype}, {q.device}), got "
+                         f"{list(out.shape)}, {out.dtype}, {out.device}")
+    _check_rows_contiguous(out=out)
+
+
+def _check_int32_vector(name, t, length, what):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or (length is not None and t.shape[0] != length) or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D tensor of {what}, got shape {list(t.shape)}")
+
+
+def _check_cu_seqlens(name, cu, total):
+    cu_host = cu.cpu()
+    if cu_host[0] != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(cu_host[0])}")
+    steps = cu_host[1:] - cu_host[:-1]
+    if bool((steps < 0).any()):
+        i = int((steps < 0).nonzero()[0])
+        raise ValueError(f"{name} must be monotonically increasing (non-decreasing): {name}[{i + 1}] = "
+                         f"{int(cu_host[i + 1])} < {name}[{i}] = {int(cu_host[i])}")
+    if cu_host[-1] != total:
+        raise ValueError(f"{name}[-1] = {int(cu_host[-1])} must equal the number of packed tokens, {total}")
+    return steps
+
+
+def check_flash_attention_args(q, k, v, causal, sm_scale, cu_seqlens_q, cu_seqlens_k, out) -> None:
+    """Raise TypeError/ValueError naming the first argument of flash_attention that breaks a rule."""
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    dims, what = ((3, "[total_tokens, heads, head_dim] (packed, with cu_seqlens)") if varlen
+                  else (4, "[batch, heads, len, head_dim]"))
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, dims, what)
+    _check_dtypes(q=q, k=k, v=v)
+    check_same_device(q=q, k=k, v=v)
+    if k.shape != v.shape:
+        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must have the same shape")
+    head_axis = 1
+    _check_heads(q.shape[head_axis], k.shape[head_axis], "q", "k")
+    _check_head_dim(q.shape[-1], k.shape[-1], "k")
+    _check_rows_contiguous(q=q, k=k, v=v)
+    _check_sm_scale(sm_scale)
+    _check_out(out, q)
+    if not varlen:
+        if q.shape[0] != k.shape[0]:
+            raise ValueError(f"q has batch {q.shape[0]}, k has {k.shape[0]}")
+        if causal and q.shape[2] > k.shape[2]:
+            raise ValueError(f"causal attention needs len_q <= len_k (queries are the last len_q positions), "
+                             f"got len_q {q.shape[2]} > len_k {k.shape[2]}")
+        if q.shape[2] > 0 and k.shape[2] == 0:
+            raise ValueError("k has len_k 0: every query needs at least one key")
+        return
+    if cu_seqlens_q is None or cu_seqlens_k is None:
+        raise ValueError("the packed form needs both cu_seqlens_q and cu_seqlens_k")
+    _check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, "batch + 1 row offsets")
+    _check_int32_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], "batch + 1 row offsets")
+    if cu_seqlens_q.shape[0] < 1:
+        raise ValueError("cu_seqlens_q must have batch + 1 >= 1 entries")
+    check_same_device(q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+    lens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    lens_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    bad = (lens_q > lens_k) if causal else ((lens_q > 0) & (lens_k == 0))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        rule = ("causal attention needs len_q <= len_k" if causal else "every query needs at least one key")
+        raise ValueError(f"sequence {i} has {int(lens_q[i])} queries and {int(lens_k[i])} keys: {rule}")
+
+
+def check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out) -> None:
+    """Raise TypeError/ValueError naming the first argument of paged_prefill that breaks a rule."""
+    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache_pair(k_cache, v_cache)
+    _check_tensor("q", q, 3, "[total_q, num_heads, head_dim]")
+    _check_dtypes(q=q, k_cache=k_cache, v_cache=v_cache)
+    _check_heads(q.shape[1], num_kv_heads, "q", "k_cache")
+    _check_head_dim(q.shape[2], head_dim, "k_cache")
+    _check_rows_contiguous(q=q)
+    _check_sm_scale(sm_scale)
+    _check_out(out, q)
+    if not isinstance(block_tables, torch.Tensor):
+        raise TypeError(f"block_tables must be a torch.Tensor, got {type(block_tables).__name__}")
+    if block_tables.dtype != torch.int32:
+        raise TypeError(f"block_tables must be int32, got {block_tables.dtype}")
+    if block_tables.dim() != 2 or block_tables.stride(-1) != 1:
+        raise ValueError(f"block_tables must be [batch, max_blocks] with contiguous rows, "
+                         f"got shape {list(block_tables.shape)}")
+    batch, max_blocks = block_tables.shape
+    _check_int32_vector("seq_lens", seq_lens, batch, f"{batch} lengths (one per block_tables row)")
+    _check_int32_vector("query_lens", query_lens, batch, f"{batch} lengths (one per block_tables row)")
+    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
+                      query_lens=query_lens)
+    seq_host, query_host = seq_lens.cpu().long(), query_lens.cpu().long()
+    for name, lens in (("query_lens", query_host), ("seq_lens", seq_host)):
+        if bool((lens < 0).any()):
+            i = int((lens < 0).nonzero()[0])
+            raise ValueError(f"{name}[{i}] = {int(lens[i])} is negative")
+    if int(query_host.sum()) != q.shape[0]:
+        raise ValueError(f"query_lens sum to {int(query_host.sum())}, q has {q.shape[0]} tokens")
+    if bool((query_host > seq_host).any()):
+        i = int((query_host > seq_host).nonzero()[0])
+        raise ValueError(f"query_lens[{i}] = {int(query_host[i])} > seq_lens[{i}] = {int(seq_host[i])}: "
+                         "a sequence's new tokens are part of its cached tokens")
+    capacity = max_blocks * block_size
+    if bool((seq_host > capacity).any()):
+        i = int((seq_host > capacity).nonzero()[0])
+        raise ValueError(f"seq_lens[{i}] = {int(seq_host[i])} is beyond block_tables' capacity of "
+                         f"{max_blocks} blocks x {block_size} tokens = {capacity}")
+    # Only the entries a sequence uses must name real blocks; the padding after them is never read.
+    used = torch.arange(max_blocks)[None, :] < ((seq_host + block_size - 1) // block_size)[:, None]
+    table = block_tables.cpu()
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_tables[{row}, {col}] = {int(table[row, col])} is out of range 0..{num_blocks - 1}")
