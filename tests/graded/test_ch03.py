@@ -85,31 +85,44 @@ def test_fork_errors_change_nothing(ch03):
         assert state(pool) == before, f"fork{args} raised but changed the pool: {first_difference(state(pool), before)}"
 
 
+def compare_on_workload(mine, ref, ops, learner_ops):
+    """Apply every ``(kind, args)`` of ``ops`` to both pools (``learner_ops[kind]`` on ``mine``,
+    kvlab's own method otherwise) and compare results, errors and full state after each one."""
+    for step, (kind, args) in enumerate(ops):
+        op = learner_ops.get(kind, getattr(BlockPool, kind))
+        got = outcome(op, mine, *args)
+        want = outcome(getattr(ref, kind), *args)
+        assert got == want, f"step {step}: {kind}{args} gave {got}, expected {want}"
+        problem = first_difference(state(mine), state(ref))
+        assert not problem, f"step {step}: after {kind}{args}, {problem}"
+
+
+def random_ops(rng, ref, steps, kinds, fork_args, append_ids):
+    """Random operations drawn from ``ref``'s live sequences as they evolve."""
+    block_size = ref.block_size
+    for step in range(steps):
+        live = sorted(ref.block_tables)
+        kind = rng.choice(kinds)
+        if kind == "allocate" or not live:
+            yield "allocate", (1000 + step, rng.randrange(0, 2 * block_size))
+        elif kind == "fork":
+            yield "fork", fork_args(live, step)
+        elif kind == "append":
+            yield "append", (rng.choice(append_ids(live)), rng.randrange(0, 2 * block_size))
+        else:
+            yield "free", (rng.choice(live),)
+
+
 @pytest.mark.task("fork")
 @pytest.mark.parametrize("seed", range(3))
 def test_fork_random_workload_matches_the_reference(ch03, seed):
     rng = random.Random(seed)
     num_blocks, block_size = rng.choice([(16, 4), (24, 3), (12, 16)])
     mine, ref = GuardedPool(num_blocks, block_size), BlockPool(num_blocks, block_size)
-    for step in range(200):
-        live = sorted(ref.block_tables)
-        kind = rng.choice(["allocate", "fork", "fork", "append", "append", "free"])
-        if kind == "allocate" or not live:
-            kind, args = "allocate", (1000 + step, rng.randrange(0, 2 * block_size))
-        elif kind == "fork":
-            args = (rng.choice(live + [-1]), rng.choice([2000 + step, 2000 + step, *live]))
-        elif kind == "append":
-            args = (rng.choice(live), rng.randrange(0, 2 * block_size))
-        else:
-            args = (rng.choice(live),)
-        if kind == "fork":
-            got = outcome(ch03.fork, mine, *args)
-        else:
-            got = outcome(getattr(BlockPool, kind), mine, *args)
-        want = outcome(getattr(ref, kind), *args)
-        assert got == want, f"step {step}: {kind}{args} gave {got}, expected {want}"
-        problem = first_difference(state(mine), state(ref))
-        assert not problem, f"step {step}: after {kind}{args}, {problem}"
+    ops = random_ops(rng, ref, 200, ["allocate", "fork", "fork", "append", "append", "free"],
+                     fork_args=lambda live, step: (rng.choice(live + [-1]), rng.choice([2000 + step, 2000 + step, *live])),
+                     append_ids=lambda live: live)
+    compare_on_workload(mine, ref, ops, {"fork": ch03.fork})
 
 
 # -- copy_on_write ---------------------------------------------------------------------------
@@ -177,27 +190,16 @@ def test_copy_on_write_random_workload_matches_the_reference(ch03, seed):
     rng = random.Random(seed)
     num_blocks, block_size = rng.choice([(16, 4), (20, 3), (10, 5)])
     mine, ref = GuardedPool(num_blocks, block_size), BlockPool(num_blocks, block_size)
-    for step in range(250):
-        live = sorted(ref.block_tables)
-        kind = rng.choice(["allocate", "fork", "fork", "append", "append", "append", "free"])
-        if kind == "allocate" or not live:
-            kind, args = "allocate", (1000 + step, rng.randrange(0, 2 * block_size))
-        elif kind == "fork":
-            args = (rng.choice(live), 2000 + step)
-        elif kind == "append":
-            args = (rng.choice(live + [-1]), rng.randrange(0, 2 * block_size))
-        else:
-            args = (rng.choice(live),)
-        if kind == "append":
-            got = outcome(ch03.append_with_copy_on_write, mine, *args)
-        else:
-            got = outcome(getattr(BlockPool, kind), mine, *args)
-        want = outcome(getattr(ref, kind), *args)
-        assert got == want, f"step {step}: {kind}{args} gave {got}, expected {want}"
-        problem = first_difference(state(mine), state(ref))
-        assert not problem, f"step {step}: after {kind}{args}, {problem}"
-        if rng.random() < 0.3:                           # an engine step: copies handed to copy_blocks
-            mine.take_copies(), ref.take_copies()
+
+    def ops():
+        for op in random_ops(rng, ref, 250, ["allocate", "fork", "fork", "append", "append", "append", "free"],
+                             fork_args=lambda live, step: (rng.choice(live), 2000 + step),
+                             append_ids=lambda live: live + [-1]):
+            yield op
+            if rng.random() < 0.3:                       # an engine step: copies handed to copy_blocks
+                mine.take_copies(), ref.take_copies()
+
+    compare_on_workload(mine, ref, ops(), {"append": ch03.append_with_copy_on_write})
 
 
 # -- sharing_blocks --------------------------------------------------------------------------
