@@ -30,6 +30,7 @@ import numbers
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kvlab import profile
 from kvlab.kernels.checks import check_kv_cache_pair, check_same_device
@@ -44,28 +45,29 @@ def _attend_tile(acc, m_i, l_i, q, k, v, offs_m, offs_n, len_k, causal_shift, qk
     """Fold one tile of keys (``k``, ``v``: [BLOCK_N, HEAD_DIM]) into the running softmax of the
     program's queries (``q``: [BLOCK_M, HEAD_DIM]). ``offs_m``/``offs_n`` are the positions of the
     rows and keys within their sequence. Returns the updated ``(acc, m_i, l_i)``."""
-    # Scores in base 2: 2 ** (x * log2(e)) == e ** x, and exp2 is the fast hardware exponential.
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale   # [BLOCK_M, BLOCK_N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)            # [BLOCK_M, BLOCK_N]
     if MASKED:
         # Only the tiles that cross the end of the keys or the causal diagonal pay for a mask.
         visible = offs_n[None, :] < len_k
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_shift)
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Scores in base 2, with the softmax scale folded in: 2 ** (x * log2(e)) == e ** x, and
+    # exp2(s * qk_scale - m) is one fused multiply-add and the fast hardware exponential.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     # The online-softmax rescale, the heart of FlashAttention. acc and l_i are sums of
-    # exp2(s - m_i) over the keys seen so far, measured against the old running max m_i.
+    # exp2(score - m_i) over the keys seen so far, measured against the old running max m_i.
     # Measured against the new max m_new, each of those terms is smaller by the same factor
     # alpha = exp2(m_i - m_new) <= 1, so one multiplication re-bases the whole past; then this
     # tile's terms are added against m_new. Nothing seen earlier has to be recomputed, and no
     # exponent ever exceeds 0, so nothing overflows. On the first tile m_i = -inf and alpha = 0.
     # (m_new is finite from the first tile on: key 0 is in it, and every query sees key 0.)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    # p is cast to V's dtype so the second product runs on the tensor cores like the first;
-    # the accumulator itself stays float32.
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    # p is cast to V's dtype so the second product runs on the tensor cores like the first; the
+    # rescaled accumulator goes into the MMA as its addend, and stays float32.
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -90,15 +92,26 @@ def _causal_bounds(start_m, len_q, len_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.con
 
 # -- contiguous K/V ----------------------------------------------------------------------
 @triton.jit
+def _load_tile(desc, seq, head, row, VARLEN: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``ROWS`` token rows of one head, from ``row`` on, as [ROWS, HEAD_DIM].
+
+    ``desc`` is a tensor descriptor: on Hopper and later GPUs the copy engine (TMA) fetches
+    the whole tile into shared memory by itself, with no address arithmetic in the program.
+    Rows outside the tensor come back as zeros."""
+    if VARLEN:   # [total_tokens, heads, head_dim]: row is the token's index in the packing
+        return desc.load([row, head, 0]).reshape(ROWS, HEAD_DIM)
+    else:        # [batch, heads, len, head_dim]
+        return desc.load([seq, head, row, 0]).reshape(ROWS, HEAD_DIM)
+
+
+@triton.jit
 def flash_attention_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    q_desc, k_desc, v_desc,               # tensor descriptors of q, k, v (see _load_tile)
+    out_ptr, lse_ptr,
     cu_seqlens_q_ptr, cu_seqlens_k_ptr,   # [batch + 1] int32 row offsets (packed form only)
     len_q, len_k,                         # every sequence's lengths (batched form only)
-    # Strides of (batch, token, head) of each tensor; head_dim is contiguous. In the packed
+    # Strides of (batch, token, head) of out and lse; head_dim is contiguous. In the packed
     # form the batch stride is 0: cu_seqlens say where a sequence's rows start.
-    stride_qb, stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh,
     stride_lb, stride_lt, stride_lh,
     group,                                # num_heads // num_kv_heads: query heads per KV head
@@ -109,12 +122,12 @@ def flash_attention_kernel(
     # One program: BLOCK_M queries of one head of one sequence.
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
+    seq = tl.program_id(2)
     kv_head = head // group               # grouped-query attention: a KV head serves `group` query heads
     if VARLEN:
-        q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+        q_start = tl.load(cu_seqlens_q_ptr + seq)
         len_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-        k_start = tl.load(cu_seqlens_k_ptr + seq).to(tl.int64)
+        k_start = tl.load(cu_seqlens_k_ptr + seq)
         len_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
     else:
         q_start = 0
@@ -126,12 +139,8 @@ def flash_attention_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = q_ptr + seq * stride_qb + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :]
-    k_base = k_ptr + seq * stride_kb + k_start * stride_kt + kv_head * stride_kh
-    v_base = v_ptr + seq * stride_vb + k_start * stride_vt + kv_head * stride_vh
-
-    # The program's queries stay in registers for the whole loop; rows past the end read 0.
-    q = tl.load(q_ptrs, mask=offs_m[:, None] < len_q, other=0.0)
+    # The program's queries stay in registers for the whole loop.
+    q = _load_tile(q_desc, seq, head, q_start + start_m, VARLEN, BLOCK_M, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)   # running max of each row's scores
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                 # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)       # running sum of exp2(score - m_i) * v
@@ -139,28 +148,28 @@ def flash_attention_kernel(
     full_end, end, shift = _causal_bounds(start_m, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL)
     # Tiles every query sees in full: no masks at all.
     for start_n in range(0, full_end, BLOCK_N):
-        kv_rows = (start_n + offs_n)[:, None]
-        k = tl.load(k_base + kv_rows * stride_kt + offs_d[None, :])
-        v = tl.load(v_base + kv_rows * stride_vt + offs_d[None, :])
+        k = _load_tile(k_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
+        v = _load_tile(v_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
                                      MASKED=False, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
     # Tiles on the causal diagonal or past the last key: masked.
     for start_n in range(full_end, end, BLOCK_N):
-        kv_rows = (start_n + offs_n)[:, None]
-        k = tl.load(k_base + kv_rows * stride_kt + offs_d[None, :], mask=kv_rows < len_k, other=0.0)
-        v = tl.load(v_base + kv_rows * stride_vt + offs_d[None, :], mask=kv_rows < len_k, other=0.0)
+        k = _load_tile(k_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
+        v = _load_tile(v_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
                                      MASKED=True, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
 
     # The softmax's denominator is applied once, at the end, not to every tile.
     out = acc / l_i[:, None]
-    out_ptrs = out_ptr + seq * stride_ob + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :]
+    seq = seq.to(tl.int64)
+    out_ptrs = out_ptr + seq * stride_ob + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot \
+        + head * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < len_q)
     if RETURN_LSE:
         # log(sum_j e^{x_j}) = ln 2 * (m + log2(l)): m and l are in base 2. A backward pass (or
         # merging partial results, chapter 6) needs exactly this one float per row.
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453   # ln 2
-        lse_ptrs = lse_ptr + seq * stride_lb + (q_start + offs_m) * stride_lt + head * stride_lh
+        lse_ptrs = lse_ptr + seq * stride_lb + (q_start + offs_m).to(tl.int64) * stride_lt + head * stride_lh
         tl.store(lse_ptrs, lse, mask=offs_m < len_q)
 
 
@@ -254,16 +263,22 @@ def paged_prefill_kernel(
 def tile_config(head_dim: int, max_len_q: int | None = None) -> dict:
     """``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` for this machine and head size.
 
-    On a GPU the tiles are what tensor cores like (128 queries x 64 keys; smaller for
-    ``head_dim`` 256 so the tiles still fit in shared memory). In the interpreter, 16 x 16
-    tiles let the short sequences it can run in seconds still cross several tiles, so the loop,
-    the causal diagonal and the ragged end all run. ``BLOCK_M`` shrinks for short queries (a
-    decode step has one), never below 16, the smallest ``tl.dot``.
+    On a GPU: the configs that won a sweep on an H200 (``benchmarks/tune_attention.py``).
+    Long sequences take 128 x 128 tiles, which reuse each loaded tile the most; short ones
+    (up to 2K queries) take 64 x 64 tiles, which give the SMs more, shorter programs (causal
+    programs near the start of a sequence have little to do). ``head_dim`` 256 takes smaller
+    tiles so they still fit in shared memory. In the interpreter, 16 x 16 tiles let the short
+    sequences it can run in seconds still cross several tiles, so the loop, the causal
+    diagonal and the ragged end all run. ``BLOCK_M`` shrinks for short queries (a decode step
+    has one), never below 16, the smallest ``tl.dot``.
     """
+    long = max_len_q is None or max_len_q > 2048
     if profile.INTERPRETED:
         cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    elif head_dim <= 128 and long:
+        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4 if head_dim <= 64 else 8, num_stages=3)
     elif head_dim <= 128:
-        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=4 if head_dim <= 64 else 8, num_stages=3)
+        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     else:
         cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     if max_len_q is not None:
@@ -273,7 +288,10 @@ def tile_config(head_dim: int, max_len_q: int | None = None) -> dict:
     return cfg
 
 
-def _launch_config(head_dim, max_len_q, block_m, block_n, num_warps, num_stages) -> dict:
+SHARED_MEMORY_BUDGET = 200 * 1024   # bytes of K/V stages; an H100/H200 SM has 227 KiB for one program
+
+
+def _launch_config(head_dim, max_len_q, block_m, block_n, num_warps, num_stages, element_size=2) -> dict:
     cfg = tile_config(head_dim, max_len_q)
     for key, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
                        ("num_stages", num_stages)):
@@ -282,7 +300,26 @@ def _launch_config(head_dim, max_len_q, block_m, block_n, num_warps, num_stages)
     for key in ("BLOCK_M", "BLOCK_N"):
         if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
             raise ValueError(f"{key.lower()} must be a power of two >= 16 (tl.dot's smallest tile), got {cfg[key]}")
+    if num_stages is None:
+        # Each stage in flight holds a K and a V tile in shared memory: fewer stages for float32
+        # or wide tiles, so the program still fits on an SM.
+        # (A rough bound that held on an H200: bf16 128 x 128 tiles of head_dim 128 fit 3 stages.)
+        per_stage = 2 * cfg["BLOCK_N"] * head_dim * element_size
+        while cfg["num_stages"] > 1 and cfg["num_stages"] * per_stage > SHARED_MEMORY_BUDGET:
+            cfg["num_stages"] -= 1
     return cfg
+
+
+def _tile_descriptor(t: torch.Tensor, rows: int, varlen: bool):
+    """A tensor descriptor of ``t`` whose tiles are ``rows`` tokens of one head (see ``_load_tile``).
+
+    The copy engine wants 16-byte aligned addresses and strides; a view that has neither is
+    copied first (a fresh tensor has both)."""
+    block = [rows, 1, t.shape[-1]] if varlen else [1, 1, rows, t.shape[-1]]
+    size = t.element_size()
+    if t.data_ptr() % 16 or any(st * size % 16 for st in t.stride()[:-1]):
+        t = t.contiguous()
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -319,24 +356,28 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if varlen:
         batch, num_heads, len_q, len_k = cu_seqlens_q.numel() - 1, q.shape[1], 0, 0
-        if max_seqlen_q is None:
-            max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
+        if max_seqlen_q is None or validate:
+            longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
+            if max_seqlen_q is not None and max_seqlen_q < longest:
+                raise ValueError(f"max_seqlen_q = {max_seqlen_q} is shorter than the longest sequence's "
+                                 f"{longest} queries: rows past it would never be computed")
+            max_seqlen_q = longest if max_seqlen_q is None else max_seqlen_q
         lse = torch.empty((num_heads, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
         # (batch, token, head) strides: the batch stride is 0, rows are found through cu_seqlens.
-        strides = [(0, t.stride(0), t.stride(1)) for t in (q, k, v, out)]
-        strides.append((0, 1, q.shape[0]) if return_lse else (0, 0, 0))
+        strides = [(0, out.stride(0), out.stride(1)), (0, 1, q.shape[0]) if return_lse else (0, 0, 0)]
     else:
         batch, num_heads, len_q, _ = q.shape
         len_k = k.shape[2]
         max_seqlen_q = len_q
         lse = torch.empty((batch, num_heads, len_q), dtype=torch.float32, device=q.device) if return_lse else None
-        strides = [(t.stride(0), t.stride(2), t.stride(1)) for t in (q, k, v, out)]
-        strides.append((num_heads * len_q, 1, len_q) if return_lse else (0, 0, 0))
-    cfg = _launch_config(head_dim, None, block_m, block_n, num_warps, num_stages)
+        strides = [(out.stride(0), out.stride(2), out.stride(1)), (num_heads * len_q, 1, len_q) if return_lse else (0, 0, 0)]
+    cfg = _launch_config(head_dim, max_seqlen_q, block_m, block_n, num_warps, num_stages, q.element_size())
     if batch > 0 and max_seqlen_q > 0:
         grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
+        descs = [_tile_descriptor(t, rows, varlen) for t, rows in ((q, cfg["BLOCK_M"]), (k, cfg["BLOCK_N"]),
+                                                                    (v, cfg["BLOCK_N"]))]
         flash_attention_kernel[grid](
-            q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, len_q, len_k, *[s for st in strides for s in st],
+            *descs, out, lse, cu_seqlens_q, cu_seqlens_k, len_q, len_k, *[s for st in strides for s in st],
             num_heads // k.shape[1], sm_scale * LOG2_E,
             HEAD_DIM=head_dim, CAUSAL=bool(causal), VARLEN=varlen, RETURN_LSE=return_lse,
             DOT_PRECISION=_dot_precision(q.dtype), **cfg)
@@ -344,8 +385,8 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale: float | None = None, *,
-                  max_query_len: int | None = None, out: torch.Tensor | None = None, validate: bool = True,
-                  block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                  max_query_len: int | None = None, cu_query_lens: torch.Tensor | None = None,
+                  out: torch.Tensor | None = None, validate: bool = True, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> torch.Tensor:
     """Causal attention of a step's new tokens to their sequences' paged K/V (prefill and extend).
 
@@ -357,7 +398,9 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     The engine's attention-backend signature; returns ``q``'s shape and dtype.
 
     ``validate`` checks every argument before the launch, reading the lengths and the used
-    block-table entries back to the host; ``max_query_len`` spares the one read the grid needs.
+    block-table entries back to the host; ``max_query_len`` spares the one read the grid needs,
+    ``cu_query_lens`` (the running sum of ``query_lens`` with a leading 0, if the caller has it)
+    the two small launches that compute it.
     """
     if validate:
         check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out)
@@ -367,13 +410,23 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = query_lens.shape[0]
-    if max_query_len is None:
-        max_query_len = int(query_lens.max()) if batch > 0 else 0
+    if max_query_len is None or validate:
+        longest = int(query_lens.max()) if batch > 0 else 0
+        if max_query_len is not None and max_query_len < longest:
+            raise ValueError(f"max_query_len = {max_query_len} is shorter than the longest query_lens entry, "
+                             f"{longest}: rows past it would never be computed")
+        max_query_len = longest if max_query_len is None else max_query_len
     if batch == 0 or num_tokens == 0 or max_query_len == 0:
         return out
     # Sequence b's queries are rows cu_query_lens[b] .. cu_query_lens[b + 1] - 1 of q.
-    cu_query_lens = torch.nn.functional.pad(torch.cumsum(query_lens, 0, dtype=torch.int32), (1, 0))
-    cfg = _launch_config(head_dim, max_query_len, block_m, block_n, num_warps, num_stages)
+    if cu_query_lens is None or validate:
+        running_sum = torch.nn.functional.pad(torch.cumsum(query_lens, 0, dtype=torch.int32), (1, 0))
+    if cu_query_lens is None:
+        cu_query_lens = running_sum
+    elif validate and (cu_query_lens.dtype != torch.int32 or cu_query_lens.shape != running_sum.shape
+                       or not torch.equal(cu_query_lens, running_sum)):
+        raise ValueError("cu_query_lens must be the int32 running sum of query_lens with a leading 0")
+    cfg = _launch_config(head_dim, max_query_len, block_m, block_n, num_warps, num_stages, q.element_size())
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_heads, batch)
     paged_prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, seq_lens, cu_query_lens,

@@ -45,6 +45,7 @@ def decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,   # tokens per cache block (page)
     BLOCK_N: tl.constexpr,      # tokens per tile: a few pages
     WRITE_FINAL: tl.constexpr,  # one split: write the normalised output directly
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32 rounding), else "tf32" (unused for 16-bit)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -73,14 +74,14 @@ def decode_split_kernel(
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
 
-        scores = tl.dot(q, tl.trans(k)).to(tl.float32) * sm_scale   # [GROUP_PAD, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale   # [GROUP_PAD, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         # Online softmax: a larger max rescales what was summed so far by exp(m_old - m_new).
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m = m_new
 
     # An empty range (a split past the end of a short sequence) leaves l = 0: it must carry
@@ -121,8 +122,13 @@ def merge_splits_kernel(
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough splits for about two programs per SM, none shorter than MIN_TOKENS_PER_SPLIT."""
+    """Enough splits for about two programs per SM, none shorter than MIN_TOKENS_PER_SPLIT.
+
+    A batch that already gives every SM a program is not split: the merge would cost more than
+    the extra programs give (measured on an H200 at batch 32 x 8 KV heads)."""
     programs = batch * num_kv_heads
+    if programs >= num_sms:
+        return 1
     wanted = math.ceil(2 * num_sms / programs)
     return max(1, min(wanted, math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)))
 
@@ -133,7 +139,8 @@ def _num_sms(device: torch.device) -> int:
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, sm_scale=None, *,
                  max_seq_len: int | None = None, block_n: int | None = None, validate: bool = True,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None) -> torch.Tensor:
     """Attention of ``q [batch, num_heads, head_dim]`` (one token per sequence) over its cache.
 
     ``seq_lens[i]`` tokens of sequence ``i`` (the new one included) are read through
@@ -147,25 +154,37 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    out = torch.empty_like(q) if out is None else out
+    q = q.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if batch == 0:
         return out
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
+    if max_seq_len is None or validate:
+        longest = int(seq_lens.max())
+        if max_seq_len is not None and max_seq_len < longest:
+            raise ValueError(f"max_seq_len = {max_seq_len} is shorter than the longest seq_lens entry, {longest}: "
+                             "the tokens past it would never be read")
+        max_seq_len = longest if max_seq_len is None else max_seq_len
+    if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
+        raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's smallest tile), got {block_n!r}")
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device))
-    block_n = block_n or (64 if q.is_cuda else 16)
+    # On a GPU: 128-token tiles, 8 warps, 3 stages in flight won an H200 sweep
+    # (benchmarks/tune_attention.py) at both long-batch and one-long-sequence shapes.
+    block_n = block_n or (128 if q.is_cuda else 16)
+    if q.is_cuda:
+        num_warps, num_stages = num_warps or 8, num_stages or 3
     tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     final = num_splits == 1
     partial = out if final else torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
                                             device=q.device)
-    q = q.contiguous()
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, partial, lse, sm_scale,
         num_kv_heads, block_tables.shape[1], num_splits, tokens_per_split,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final)
+        BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **launch)
     if not final:
         merge_splits_kernel[(batch * num_heads,)](partial, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   SPLITS_PAD=triton.next_power_of_2(num_splits))
@@ -195,8 +214,9 @@ def check_paged_decode_args(q, k_cache, v_cache, block_tables, seq_lens, num_spl
         raise ValueError(f"seq_lens must have shape [{batch}], got {list(seq_lens.shape)}")
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
-        raise ValueError(f"out must match q: {list(q.shape)} {q.dtype}")
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
+                            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous tensor like q: {list(q.shape)} {q.dtype}")
     check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
     if batch == 0:
         return

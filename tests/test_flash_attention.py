@@ -306,7 +306,7 @@ FLASH_ERRORS = [
     (dict(q=torch.randn(5, 4, 2 * D0)), ValueError, "q has head_dim"),
     (dict(q=torch.randn(5, 4, 24), k=torch.randn(8, 2, 24), v=torch.randn(8, 2, 24)), ValueError, "power of two"),
     (dict(v=torch.randn(7, 2, D0)), ValueError, "same shape"),
-    (dict(q=torch.randn(5, 4, 2 * D0)[..., ::2]), ValueError, "contiguous in its last dim"),
+    (dict(q=torch.randn(5, 4, 2 * D0, device=DEVICE)[..., ::2]), ValueError, "contiguous in its last dim"),
     (dict(cu_seqlens_q=torch.tensor([0, 3, 2, 5], dtype=torch.int32),
           cu_seqlens_k=torch.tensor([0, 3, 4, 8], dtype=torch.int32)), ValueError, "monotonically increasing"),
     (dict(cu_seqlens_q=torch.tensor([0, 2, 5])), TypeError, "cu_seqlens_q must be int32"),
@@ -355,7 +355,7 @@ def test_flash_attention_refuses_bad_arguments(overrides, error, match):
 @pytest.mark.parametrize("out,error,match", [
     (torch.zeros(5, 4, 2 * D0), ValueError, "out must match q"),
     (torch.zeros(5, 4, D0, dtype=torch.float16), ValueError, "out must match q"),
-    (torch.zeros(5, 4, 2 * D0)[..., ::2], ValueError, "out must be contiguous in its last dim"),
+    (torch.zeros(5, 4, 2 * D0, device=DEVICE)[..., ::2], ValueError, "out must be contiguous in its last dim"),
     ([0.0], TypeError, "out must be a torch.Tensor"),
 ])
 def test_a_bad_out_buffer_is_refused(out, error, match):
@@ -422,3 +422,20 @@ def test_padding_entries_past_a_sequence_are_never_checked_or_read():
 def test_tile_sizes_must_suit_tl_dot():
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
         flash_attention(**_flash_args(), block_n=8)
+
+
+def test_too_short_grid_hints_are_refused():
+    """max_seqlen_q / max_query_len / cu_query_lens spare host reads; a wrong one must not go unnoticed."""
+    q = torch.randn(33, 2, 16, device=DEVICE)
+    k = torch.randn(33, 2, 16, device=DEVICE)
+    cu = torch.tensor([0, 33], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="max_seqlen_q = 16"):
+        flash_attention(q, k, k, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=16)
+    k_cache = torch.randn(4, 16, 2, 16, device=DEVICE)
+    tables = torch.arange(3, dtype=torch.int32, device=DEVICE)[None]
+    lens = torch.tensor([33], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="max_query_len = 16"):
+        paged_prefill(q, k_cache, k_cache, tables, lens, lens, max_query_len=16)
+    with pytest.raises(ValueError, match="cu_query_lens"):
+        paged_prefill(q, k_cache, k_cache, tables, lens, lens, cu_query_lens=torch.tensor([0, 32], dtype=torch.int32,
+                                                                                           device=DEVICE))

@@ -74,7 +74,8 @@ def test_merge_formula_by_hand():
 
 def test_choose_num_splits():
     assert choose_num_splits(batch=1, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 33
-    assert choose_num_splits(batch=32, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 2
+    assert choose_num_splits(batch=32, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 1
+    assert choose_num_splits(batch=8, num_kv_heads=8, max_seq_len=32768, num_sms=132) == 5
     assert choose_num_splits(batch=1, num_kv_heads=8, max_seq_len=300, num_sms=132) == 2
     assert choose_num_splits(batch=64, num_kv_heads=8, max_seq_len=1 << 17, num_sms=132) == 1
 
@@ -110,3 +111,17 @@ def test_unused_table_entries_are_not_checked():
     ref = paged_attention_ref(q, k_cache, v_cache, tables.clamp(min=0), [5, 20], dtype=torch.float64)
     assert relative_error(paged_decode(q, k_cache, v_cache, tables, seq_lens), ref) < 1e-5
     assert math.isfinite(relative_error(paged_decode(q, k_cache, v_cache, tables, seq_lens, num_splits=2), ref))
+
+
+def test_strided_q_short_hints_and_bad_tiles():
+    """A transposed q reads right; a too-short max_seq_len, a strided out, a bad block_n are refused."""
+    q, k_cache, v_cache, tables, seq_lens = paged_batch([40, 70], 8, 2, 32, 16, torch.float32, seed=4)
+    ref = paged_attention_ref(q, k_cache, v_cache, tables, [40, 70], dtype=torch.float64)
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)           # same values, other strides
+    assert relative_error(paged_decode(strided, k_cache, v_cache, tables, seq_lens), ref) < 1e-5
+    with pytest.raises(ValueError, match="max_seq_len = 10"):
+        paged_decode(q, k_cache, v_cache, tables, seq_lens, max_seq_len=10)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        paged_decode(q, k_cache, v_cache, tables, seq_lens, out=torch.empty_like(strided))
+    with pytest.raises(ValueError, match="block_n"):
+        paged_decode(q, k_cache, v_cache, tables, seq_lens, block_n=24)

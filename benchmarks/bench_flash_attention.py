@@ -1,0 +1,133 @@
+"""flash_attention and paged_prefill on the GPU, against PyTorch SDPA's flash and cuDNN backends.
+
+    python benchmarks/bench_flash_attention.py [--out DIR]
+
+Causal, bf16, 32 heads. Peers in the same run: SDPA with the flash backend (FlashAttention-2)
+and the cuDNN backend (FlashAttention-3 class on Hopper), and naive attention (the score
+matrix written out, softmax, product) where it fits. ``kvlab_paged`` is ``paged_prefill`` with
+every key and value read through shuffled block tables (block size 16), on the same numbers.
+TFLOP/s count the causal half of the two matrix products: 2 * 2 * batch * heads * L^2 * D / 2.
+Also: peak memory of naive attention and of the kernel for one sequence of growing length.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+
+import kvlab  # noqa: E402,F401
+from common import bench, environment, print_table, save  # noqa: E402
+from kvlab.kernels import flash_attention, paged_prefill  # noqa: E402
+
+HEADS, BLOCK_SIZE = 32, 16
+TARGETS = [(8, 1024, 128), (2, 4096, 128), (1, 16384, 128), (4, 4096, 64)]   # the chapter's goals
+SWEEP = [(32, 512, 128), (16, 1024, 128), (8, 2048, 128), (4, 4096, 128), (2, 8192, 128), (1, 16384, 128)]
+
+
+def naive_attention(q, k, v):
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    length = q.shape[-2]
+    causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    return torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
+
+
+def sdpa(q, k, v, backend):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def paged_copy(k, v):
+    """The same K/V in a paged cache with shuffled blocks."""
+    batch, kv_heads, length, dim = k.shape
+    blocks = length // BLOCK_SIZE
+    tables = torch.randperm(batch * blocks, device=k.device).view(batch, blocks).to(torch.int32).contiguous()
+    k_cache = torch.empty(batch * blocks, BLOCK_SIZE, kv_heads, dim, device=k.device, dtype=k.dtype)
+    v_cache = torch.empty_like(k_cache)
+    k_cache[tables.long()] = k.transpose(1, 2).reshape(batch, blocks, BLOCK_SIZE, kv_heads, dim)
+    v_cache[tables.long()] = v.transpose(1, 2).reshape(batch, blocks, BLOCK_SIZE, kv_heads, dim)
+    return k_cache, v_cache, tables
+
+
+def measure(batch, length, dim) -> dict:
+    q, k, v = (torch.randn(batch, HEADS, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flops = 4 * batch * HEADS * length * length * dim / 2
+    k_cache, v_cache, tables = paged_copy(k, v)
+    q_packed = q.transpose(1, 2).reshape(batch * length, HEADS, dim).contiguous()
+    lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * length
+    out = torch.empty_like(q)
+    out_packed = torch.empty_like(q_packed)
+    runs = {
+        "kvlab": lambda: flash_attention(q, k, v, validate=False, out=out),
+        "kvlab_paged": lambda: paged_prefill(q_packed, k_cache, v_cache, tables, lens, lens, validate=False,
+                                             max_query_len=length, cu_query_lens=cu, out=out_packed),
+        "sdpa_flash": lambda: sdpa(q, k, v, SDPBackend.FLASH_ATTENTION),
+        "sdpa_cudnn": lambda: sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION),
+    }
+    if batch * HEADS * length * length * 2 <= 8 << 30:
+        runs["naive"] = lambda: naive_attention(q, k, v)
+    ref = sdpa(q, k, v, SDPBackend.FLASH_ATTENTION).float()
+    out.fill_(float("nan"))
+    out_packed.fill_(float("nan"))
+    runs["kvlab"]()
+    runs["kvlab_paged"]()
+    row = {"batch": batch, "seq_len": length, "heads": HEADS, "head_dim": dim,
+           "err_kvlab": float((out.float() - ref).abs().max()),
+           "err_paged": float((out_packed.float() - ref.transpose(1, 2).reshape(batch * length, HEADS, dim)).abs().max())}
+    for name in ("kvlab", "kvlab_paged", "sdpa_flash", "sdpa_cudnn", "naive"):
+        try:
+            row[name] = round(flops / bench(runs[name]) / 1e12, 1) if name in runs else None
+        except RuntimeError as e:                    # a backend that refuses the shape
+            print(f"{name} at {batch}x{length} D{dim}: {str(e)[:80]}")
+            row[name] = None
+    row["vs_cudnn"] = round(row["kvlab"] / row["sdpa_cudnn"], 3) if row["sdpa_cudnn"] else None
+    row["vs_flash"] = round(row["kvlab"] / row["sdpa_flash"], 3)
+    row["paged_vs_contiguous"] = round(row["kvlab_paged"] / row["kvlab"], 3)
+    return row
+
+
+def peak_memory(length: int, dim: int = 128) -> dict:
+    """Peak bytes allocated beyond the inputs, one sequence of 32 heads, naive vs the kernel."""
+    q, k, v = (torch.randn(1, HEADS, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    result = {"seq_len": length}
+    for name, fn in (("kvlab_bytes", lambda: flash_attention(q, k, v, validate=False)),
+                     ("naive_bytes", lambda: naive_attention(q, k, v))):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        try:
+            fn()
+            torch.cuda.synchronize()
+            result[name] = torch.cuda.max_memory_allocated() - base
+        except torch.OutOfMemoryError:
+            result[name] = None
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    env = environment()
+    rows = []
+    for batch, length, dim in TARGETS + [s for s in SWEEP if s not in TARGETS]:
+        rows.append(measure(batch, length, dim))
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    memory = [peak_memory(n) for n in (1024, 2048, 4096, 8192, 16384)]
+    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']} (TFLOP/s, causal, bf16, {HEADS} heads)")
+    print_table(rows, ["batch", "seq_len", "head_dim", "kvlab", "kvlab_paged", "sdpa_flash", "sdpa_cudnn", "naive",
+                       "vs_cudnn", "vs_flash", "paged_vs_contiguous", "err_kvlab", "err_paged"])
+    print_table(memory, ["seq_len", "kvlab_bytes", "naive_bytes"])
+    save("flash_attention", {"env": env, "rows": rows, "memory": memory}, args.out)
+
+
+if __name__ == "__main__":
+    main()
