@@ -311,10 +311,18 @@ def test_attention_goes_through_the_chosen_backend(checkpoint, reference):
     assert calls == [len(PROBE)] * layers + [1] * (2 * layers)     # a prefill, then two decode steps
 
 
-def test_cache_size_on_the_cpu(checkpoint, monkeypatch):
+def test_cache_size(checkpoint, monkeypatch):
     import kvlab.engine.model_runner as runner
 
-    # max_num_seqs sequences of max_model_len tokens: 4 x 128 / 8 blocks
+    if torch.cuda.is_available():
+        # On a GPU the cache takes what gpu_memory_utilization leaves after weights and activations.
+        llm = LLM(checkpoint, block_size=BLOCK, gpu_memory_utilization=0.3)
+        total = torch.cuda.get_device_properties(0).total_memory
+        assert 0 < llm.model_runner.kv_cache.nbytes <= 0.3 * total
+        assert llm.pool.num_blocks == llm.model_runner.kv_cache.num_blocks
+        assert LLM(checkpoint, block_size=BLOCK, num_gpu_blocks=3).pool.num_blocks == 3
+        return
+    # On the CPU: max_num_seqs sequences of max_model_len tokens: 4 x 128 / 8 blocks
     llm = LLM(checkpoint, block_size=BLOCK, max_num_seqs=4)
     assert llm.pool.num_blocks == llm.model_runner.kv_cache.num_blocks == 4 * 128 // BLOCK
     per_block = runner.block_bytes(llm.config, BLOCK, torch.float32)

@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import kvlab  # noqa: F401  (profile first)
+from kvlab import profile
 from helpers import tiny_tokenizer
 from kvlab.models import (
     AttentionContext,
@@ -50,9 +51,10 @@ def hf_dict(**kw) -> dict:
 
 
 def full_logits(model, ids):
-    ids = torch.as_tensor(ids)
+    device = next(model.parameters()).device
+    ids = torch.as_tensor(ids).to(device)
     with torch.no_grad():
-        return model.compute_logits(model(ids, torch.arange(len(ids))))
+        return model.compute_logits(model(ids, torch.arange(len(ids), device=device))).cpu()
 
 
 # -- config ---------------------------------------------------------------------------------
@@ -178,15 +180,19 @@ def test_generate_is_greedy_and_stops_at_eos():
 
 # -- the paged path ---------------------------------------------------------------------------
 def make_cache(config, num_blocks=48, block_size=4, dtype=torch.float32):
+    """A cache on the profile's device (the paged path runs the Triton write_kv kernel)."""
     return allocate_kv_cache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-                             dtype=dtype)
+                             dtype=dtype, device=profile.DEVICE)
 
 
 def run_step(model, cache, pool, seqs, requests):
-    """One engine step: the tokens of ``requests`` [(seq, start, n)], packed, through the cache."""
+    """One engine step: the tokens of ``requests`` [(seq, start, n)], packed, through the cache.
+    The model moves to the cache's device."""
+    device = cache.k.device
+    model.to(device)
     ctx = AttentionContext.from_pool(cache, pool, requests)
-    ids = torch.tensor([t for s, start, n in requests for t in seqs[s][start:start + n]])
-    pos = torch.cat([torch.arange(start, start + n) for _, start, n in requests])
+    ids = torch.tensor([t for s, start, n in requests for t in seqs[s][start:start + n]], device=device)
+    pos = torch.cat([torch.arange(start, start + n) for _, start, n in requests]).to(device)
     with torch.no_grad():
         return model(ids, pos, ctx)
 
@@ -203,7 +209,7 @@ def test_paged_prefill_then_decode_matches_the_full_forward(kw):
         pool.allocate(s, len(ids))
     hidden = run_step(model, cache, pool, seqs, [(s, 0, len(ids)) for s, ids in seqs.items()])
     last = torch.tensor([len(ids) for ids in seqs.values()]).cumsum(0) - 1
-    logits = model.compute_logits(hidden)
+    logits = model.compute_logits(hidden).cpu()
     for i, ids in enumerate(seqs.values()):
         ref = full_logits(model, ids)
         start = int(last[i]) + 1 - len(ids)
@@ -216,7 +222,7 @@ def test_paged_prefill_then_decode_matches_the_full_forward(kw):
             requests.append((s, len(ids) - 1, 1))
         hidden = run_step(model, cache, pool, seqs, requests)
         last = torch.arange(len(seqs))
-        logits = model.compute_logits(hidden)
+        logits = model.compute_logits(hidden).cpu()
         ref = torch.stack([full_logits(model, ids)[-1] for ids in seqs.values()])
         torch.testing.assert_close(logits, ref, atol=TOL, rtol=0)
     assert pool.seq_len("b") == 13 and len(pool.block_table("b")) == 4
@@ -235,7 +241,7 @@ def test_chunked_prefill_matches_the_full_forward():
     pool.append("long", 8)
     pool.append("short", 1)
     hidden = run_step(model, cache, pool, seqs, [("long", 6, 8), ("short", 2, 1)])
-    logits = model.compute_logits(hidden)
+    logits = model.compute_logits(hidden).cpu()
     torch.testing.assert_close(logits[:8], full_logits(model, seqs["long"])[6:], atol=TOL, rtol=0)
     torch.testing.assert_close(logits[8], full_logits(model, seqs["short"])[-1], atol=TOL, rtol=0)
 

@@ -21,6 +21,7 @@ A step, as the runner does it::
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import torch
 
@@ -146,13 +147,18 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         ints = lambda x, dtype=torch.int32: torch.tensor(x, dtype=dtype, device=self.device)  # noqa: E731
+        seq_lens = [item.start + item.num_new for item in out.scheduled]
+        query_lens = [item.num_new for item in out.scheduled]
         return AttentionContext(
             kv_cache=self.kv_cache,
             slot_mapping=ints(slots, torch.int64),
             block_tables=ints(padded),
-            seq_lens=ints([item.start + item.num_new for item in out.scheduled]),
-            query_lens=ints([item.num_new for item in out.scheduled]),
+            seq_lens=ints(seq_lens),
+            query_lens=ints(query_lens),
             validate=False,
+            max_seq_len=max(seq_lens),
+            max_query_len=max(query_lens),
+            cu_query_lens=ints([0, *itertools.accumulate(query_lens)]),
         )
 
     def apply_copies(self, pairs: list[tuple[int, int]]) -> None:

@@ -20,6 +20,7 @@ themselves with :func:`register_attention_backend`), or ``"triton"``: the course
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -43,6 +44,9 @@ class AttentionContext:
     ``query_lens`` (``[batch]``): new tokens of each sequence this step, packed in batch order;
     a sequence's new tokens are its last ``query_lens[i]`` positions.
     ``validate``: check ``write_kv``'s arguments on every layer (reads slots back to the host).
+    ``max_seq_len``, ``max_query_len``, ``cu_query_lens`` (optional): what a kernel would
+    otherwise compute from the lengths on every layer (the two maxima by a read back to the
+    host); the engine knows them once per step and hands them to backends that take them.
     """
 
     kv_cache: object  # kvlab.paging.KVCache
@@ -51,6 +55,13 @@ class AttentionContext:
     seq_lens: torch.Tensor
     query_lens: torch.Tensor
     validate: bool = True
+    max_seq_len: int | None = None
+    max_query_len: int | None = None
+    cu_query_lens: torch.Tensor | None = None
+
+    def hints(self) -> dict:
+        return {"max_seq_len": self.max_seq_len, "max_query_len": self.max_query_len,
+                "cu_query_lens": self.cu_query_lens}
 
     @property
     def num_tokens(self) -> int:
@@ -92,18 +103,21 @@ def _paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, quer
     return out.to(q.dtype)
 
 
-def _paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale):
+def _paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *,
+                            max_seq_len=None, max_query_len=None, cu_query_lens=None):
     """The course's kernels: FlashDecoding when every sequence brings one token (a decode
     step), else the paged prefill/extend kernel. Arguments were built by the engine: no checks."""
     from kvlab.kernels import paged_decode, paged_prefill
 
     if q.shape[0] == query_lens.shape[0]:          # one query per sequence
-        return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, sm_scale=sm_scale, validate=False)
+        return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, sm_scale=sm_scale, validate=False,
+                            max_seq_len=max_seq_len)
     return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale=sm_scale,
-                         validate=False)
+                         validate=False, max_query_len=max_query_len, cu_query_lens=cu_query_lens)
 
 
 _BACKENDS: dict[str, PagedAttentionFn] = {"reference": _paged_attention_reference, "triton": _paged_attention_triton}
+_TAKES_HINTS = {"triton"}     # backends that accept AttentionContext.hints() as keywords
 _active_backend = "reference"
 
 
@@ -116,6 +130,14 @@ def register_attention_backend(name: str, fn: PagedAttentionFn) -> None:
     if not callable(fn):
         raise TypeError(f"an attention backend must be callable, got {type(fn).__name__}")
     _BACKENDS[name] = fn
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if {"max_seq_len", "max_query_len", "cu_query_lens"} <= set(params):
+        _TAKES_HINTS.add(name)
+    else:
+        _TAKES_HINTS.discard(name)
 
 
 def attention_backends() -> list[str]:
@@ -145,9 +167,14 @@ def use_attention_backend(name: str):
         set_attention_backend(previous)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale):
-    """Attention of a packed step's queries to their sequences' paged K/V (the active backend)."""
-    return _BACKENDS[_active_backend](q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale)
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, hints=None):
+    """Attention of a packed step's queries to their sequences' paged K/V (the active backend).
+
+    ``hints`` (:meth:`AttentionContext.hints`) go to the backends whose signature takes them."""
+    fn = _BACKENDS[_active_backend]
+    if hints and _active_backend in _TAKES_HINTS:
+        return fn(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, **hints)
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale)
 
 
 def causal_attention(q, k, v, sm_scale: float) -> torch.Tensor:
@@ -224,5 +251,5 @@ class Attention(nn.Module):
             write_kv(k.to(k_cache.dtype), v.contiguous().to(v_cache.dtype), k_cache, v_cache,
                      ctx.slot_mapping, validate=ctx.validate)
             out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_lens,
-                                  self.sm_scale)
+                                  self.sm_scale, ctx.hints())
         return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
