@@ -30,7 +30,7 @@ What it does, reproducibly (fixed seed, fixed file order, fixed step counts):
    step counts stop near the lowest validation loss measured on the 2.6M-token corpus
    (target 1300 steps of 16 windows, draft 1000 steps of 64); training much longer makes
    them recite the standard library and lose on unseen code.
-4. **Outputs**: ``OUT/target/`` and ``OUT/draft/`` as HF-format checkpoints
+4. **Outputs**: ``OUT/kvlab-tiny-target/`` and ``OUT/kvlab-tiny-draft/`` as HF-format checkpoints
    (:func:`kvlab.models.save_model`; ``kvlab.models.load_model`` and ``transformers`` both
    read them), ``OUT/train_log.json`` (settings, corpus, loss curves, validation loss,
    draft/target agreement, sample completions), ``OUT/README.md`` (the model card).
@@ -324,7 +324,8 @@ def completions(model, tok, max_new_tokens: int) -> dict[str, str]:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m kvlab.train", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="output folder (target/, draft/, train_log.json)")
+    p.add_argument("--out", required=True, help="output folder (kvlab-tiny-target/, kvlab-tiny-draft/, train_log.json); "
+                        "kvlab/models/weights replaces the shipped models")
     p.add_argument("--size", choices=["target", "draft", "both"], default="both")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--minutes", type=float, default=15.0,
@@ -355,6 +356,11 @@ def parse_args(argv=None):
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         p.error("--device cuda, but torch sees no CUDA device (use --device cpu, or --smoke)")
     return args
+
+
+def checkpoint_folder(name: str) -> str:
+    """``"target"`` -> ``"kvlab-tiny-target"``: the names the engine and the course load."""
+    return f"kvlab-tiny-{name}"
 
 
 def main(argv=None) -> dict:
@@ -426,7 +432,7 @@ def main(argv=None) -> dict:
         model_deadline = time.time() + share * max(0.0, deadline - time.time())
         model = train_one(name, recipes[name], config, train_data, val_batches, args, model_deadline, log)
         models[name] = model
-        path = save_model(model, tok, config, out / name, dtype=torch.bfloat16)
+        path = save_model(model, tok, config, out / checkpoint_folder(name), dtype=torch.bfloat16)
         size = sum(f.stat().st_size for f in path.glob("*.safetensors"))
         log["models"][name]["checkpoint_bytes"] = size
         print(f"saved {name} to {path} ({size / 1e6:.1f} MB)", flush=True)

@@ -18,7 +18,7 @@ def test_smoke_training_saves_loadable_models(tmp_path, capsys):
         assert entry["steps_done"] == entry["recipe"]["steps"] and not entry["stopped_early"]
         losses = [p["loss"] for p in entry["curve"]]
         assert len(losses) == entry["steps_done"] and all(l == l and l < 10 for l in losses)  # finite
-        model, tok, config = load_model(tmp_path / name)
+        model, tok, config = load_model(tmp_path / train.checkpoint_folder(name))
         assert config.tie_word_embeddings and config.eos_token_id == tok.token_to_id(train.EOT) == 0
         assert model.num_parameters() == entry["params"]
         prompt = tok.encode("def __init__(self").ids
@@ -27,7 +27,7 @@ def test_smoke_training_saves_loadable_models(tmp_path, capsys):
         assert isinstance(tok.decode(new), str)
         assert set(entry["samples"]) == set(train.PROMPTS)
         # both checkpoints carry the one shared tokenizer
-        assert (tmp_path / name / "tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
+        assert (tmp_path / train.checkpoint_folder(name) / "tokenizer.json").read_text() == (tmp_path / "tokenizer.json").read_text()
 
     saved = json.loads((tmp_path / "train_log.json").read_text())
     assert saved["corpus"]["files"] == 40 and saved["tokenizer"]["vocab_size"] == train.SMOKE_VOCAB_SIZE
