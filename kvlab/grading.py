@@ -24,6 +24,7 @@ CHAPTERS = {
     "ch02": "Paged block tables",
     "ch03": "Copy-on-write",
     "ch04": "Prefix caching",
+    "ch05": "FlashAttention",
 }
 
 

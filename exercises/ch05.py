@@ -1,0 +1,138 @@
+"""Chapter 5 exercises: FlashAttention's online softmax, and the tiles a causal block needs.
+
+Fill in every function that raises NotImplementedError, then grade your work:
+
+    kvlab grade ch05                                 # in a terminal
+    kvlab.check("ch05")                              # in the notebook
+    pytest tests/graded -m ch05 --impl=exercises     # the same tests, raw
+
+Tasks: ``chunked_attention`` (attention over chunks of keys with a running softmax, in
+PyTorch), ``online_softmax`` (``online_softmax_update``, the loop body of the Triton kernel
+``attention_kernel`` below), ``causal_bounds`` (``causal_tile_bounds``). Stuck?
+``kvlab.use_solution("ch05")`` swaps in the answer and keeps yours as ``exercises/ch05_mine.py``.
+"""
+import math
+
+import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
+import torch
+import triton
+import triton.language as tl
+
+
+# -- task chunked_attention ------------------------------------------------------------------
+def chunked_attention(q, k, v, block_n: int, causal: bool = True, sm_scale: float | None = None):
+    """Softmax attention of one head, ``block_n`` keys at a time; returns ``[num_q, head_dim]`` float32.
+
+    ``q`` is ``[num_q, head_dim]``, ``k`` and ``v`` ``[num_k, head_dim]``. With ``causal`` the
+    queries are the *last* ``num_q`` positions of the sequence: query ``i`` sees keys
+    ``0 .. num_k - num_q + i``. ``sm_scale`` defaults to ``1 / sqrt(head_dim)``.
+
+    Keep, for every query row, a running max ``m`` of its scores, a running sum ``l`` of
+    ``exp(score - m)`` and an accumulator ``acc`` of ``exp(score - m) * v``, and fold the keys in
+    chunk by chunk. The full ``[num_q, num_k]`` score matrix must never exist: the grader
+    measures the memory your function allocates. Mask hidden keys with ``-inf``.
+    """
+    raise NotImplementedError("chunked_attention: for each chunk of keys, compute its scores, raise the running "
+                              "max, rescale l and acc by exp(m_old - m_new), then add the chunk's terms; "
+                              "divide acc by l at the end")
+
+
+# -- task online_softmax ---------------------------------------------------------------------
+@triton.jit
+def online_softmax_update(acc, m_i, l_i, s, v):
+    """Fold one tile of keys into the running softmax of ``BLOCK_M`` query rows.
+
+    * ``s`` ``[BLOCK_M, BLOCK_N]`` float32: the tile's scores, already scaled; a key a row must
+      not see is ``-inf``.
+    * ``v`` ``[BLOCK_N, HEAD_DIM]`` float32: the tile's values (rows past the last key are 0).
+    * ``m_i`` ``[BLOCK_M]``: each row's running max (``-inf`` before the first tile);
+      ``l_i`` ``[BLOCK_M]``: its running sum of ``exp(score - m_i)``;
+      ``acc`` ``[BLOCK_M, HEAD_DIM]``: its running sum of ``exp(score - m_i) * v``.
+
+    Return the updated ``(acc, m_i, l_i)``. ``attention_kernel`` calls it once per tile, in key
+    order, and divides ``acc`` by ``l_i`` at the end. Every query sees key 0, which is in the
+    first tile, so ``m_i`` is finite from the first call on. Useful: ``tl.max(x, 1)``,
+    ``tl.sum(x, 1)``, ``tl.maximum``, ``tl.exp``, ``tl.dot(p, v)``, ``x[:, None]``. In the
+    interpreter you can ``print`` inside it.
+    """
+    raise NotImplementedError("online_softmax_update: raise the running max, rescale the past (l_i and acc) "
+                              "by alpha = exp(m_old - m_new), then add this tile's exp(s - m_new) terms")
+
+
+@triton.jit
+def attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, len_q, len_k, group, sm_scale,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Given: one program computes ``BLOCK_M`` queries of one head, over tiles of ``BLOCK_N`` keys."""
+    start_m = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    kv_head = head // group                         # grouped-query attention
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + offs_m[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=offs_m[:, None] < len_q, other=0.0)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    shift = len_k - len_q                           # causal: query i sees keys 0 .. i + shift
+    end = len_k
+    if CAUSAL:
+        end = tl.minimum(start_m + BLOCK_M + shift, len_k)
+    for start_n in range(0, end, BLOCK_N):
+        keys = start_n + offs_n
+        k = tl.load(k_ptr + keys[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+                    mask=keys[:, None] < len_k, other=0.0)
+        v = tl.load(v_ptr + keys[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+                    mask=keys[:, None] < len_k, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+        visible = keys[None, :] < len_k
+        if CAUSAL:
+            visible = visible & (keys[None, :] <= offs_m[:, None] + shift)
+        s = tl.where(visible, s, float("-inf"))
+        acc, m_i, l_i = online_softmax_update(acc, m_i, l_i, s, v)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + offs_m[:, None] * stride_ot + head * stride_oh + offs_d[None, :], out,
+             mask=offs_m[:, None] < len_q)
+
+
+def attention(q, k, v, causal: bool = True, sm_scale: float | None = None, out=None,
+              block_m: int = 16, block_n: int = 16):
+    """Given: run ``attention_kernel`` on one sequence, float32.
+
+    ``q`` ``[num_q, num_heads, head_dim]``, ``k``/``v`` ``[num_k, num_kv_heads, head_dim]``
+    (the layout of ``kvlab.reference.attention_ref``); writes into ``out`` if given.
+    """
+    num_q, num_heads, head_dim = q.shape
+    num_k, num_kv_heads = k.shape[0], k.shape[1]
+    if q.dtype != torch.float32 or k.dtype != torch.float32 or v.dtype != torch.float32:
+        raise TypeError(f"q, k, v must be float32, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if num_heads % num_kv_heads or (causal and num_q > num_k) or num_k == 0:
+        raise ValueError(f"bad shapes: q {list(q.shape)}, k {list(k.shape)} (causal={causal})")
+    if out is None:
+        out = torch.empty_like(q)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    grid = (triton.cdiv(num_q, block_m), num_heads)
+    attention_kernel[grid](q, k, v, out, num_q, num_k, num_heads // num_kv_heads, sm_scale,
+                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                           out.stride(0), out.stride(1),
+                           CAUSAL=bool(causal), HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n)
+    return out
+
+
+# -- task causal_bounds ----------------------------------------------------------------------
+def causal_tile_bounds(start_m: int, len_q: int, len_k: int, block_m: int, block_n: int,
+                       causal: bool = True) -> tuple[int, int]:
+    """The keys that the queries ``start_m .. start_m + block_m - 1`` need, as ``(full_end, end)``.
+
+    * ``full_end``: the largest multiple of ``block_n`` such that *every* query of the block
+      sees every key below it (those tiles need no mask);
+    * ``end``: one past the last key that *any* query of the block sees (tiles from
+      ``full_end`` up to ``end`` run with a mask; keys from ``end`` on are never loaded).
+
+    Only queries below ``len_q`` count (the last block may be ragged). Causal attention is
+    bottom-right aligned: query ``i`` sees keys ``0 .. i + len_k - len_q``; without ``causal``
+    every query sees all ``len_k`` keys. Raise ValueError when ``causal`` and ``len_q > len_k``.
+    """
+    raise NotImplementedError("causal_tile_bounds: which keys does the block's first query see, and its last? "
+                              "Round the first count down to whole tiles")
