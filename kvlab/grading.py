@@ -25,6 +25,7 @@ CHAPTERS = {
     "ch03": "Copy-on-write",
     "ch04": "Prefix caching",
     "ch05": "FlashAttention",
+    "ch06": "FlashDecoding",
 }
 
 

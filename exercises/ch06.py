@@ -1,0 +1,104 @@
+"""Chapter 6 exercises: FlashDecoding's split ranges and its log-sum-exp merge.
+
+Fill in every function that raises NotImplementedError, then grade your work:
+
+    kvlab grade ch06                                 # in a terminal
+    kvlab.check("ch06")                              # in the notebook
+    pytest tests/graded -m ch06 --impl=exercises     # the same tests, raw
+
+Tasks: ``split_ranges`` (split_ranges and split_pages: which tokens and which pages each split
+program reads), ``merge_splits`` (stage 2 in PyTorch), ``merge_kernel`` (the body of the
+stage-2 Triton kernel). Stuck? ``kvlab.use_solution("ch06")`` swaps in the answer and keeps
+yours as ``exercises/ch06_mine.py``.
+
+Conventions, as in ``kvlab.kernels.paged_decode``: split ``g`` of a sequence produces its
+*normalised* partial output ``out_g = sum_i exp(s_i - m_g) v_i / l_g`` over its tokens, and
+``lse_g = m_g + log(l_g)`` with ``m_g`` the split's largest score and ``l_g = sum_i exp(s_i - m_g)``.
+A split that holds no token has ``lse_g = -inf``, and its partial output may hold anything
+(NaN included): it must carry no weight.
+"""
+import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
+import torch
+import triton
+import triton.language as tl
+
+
+# -- task split_ranges ---------------------------------------------------------------------
+def split_ranges(seq_len: int, num_splits: int, block_n: int, max_seq_len: int | None = None) -> list[tuple[int, int]]:
+    """The token range ``[start, end)`` each of the ``num_splits`` split programs reads of one sequence.
+
+    As in ``decode_split_kernel``: every split has the same length, ``tokens_per_split`` =
+    ceil(max_seq_len / num_splits) rounded *up* to a multiple of ``block_n`` (the kernel reads
+    whole tiles of ``block_n`` tokens); split ``g`` starts at ``g * tokens_per_split``.
+    ``max_seq_len`` is the longest sequence of the batch (default: ``seq_len``), so a short
+    sequence can leave its last splits empty. Cut every range at ``seq_len``: an empty split
+    is ``(seq_len, seq_len)``. Return exactly ``num_splits`` pairs.
+
+    Errors: TypeError for a count that is not an int; ValueError for ``seq_len``,
+    ``num_splits`` or ``block_n`` below 1, or ``max_seq_len < seq_len`` (the splits would
+    miss the sequence's last tokens).
+    """
+    raise NotImplementedError("split_ranges: tokens_per_split = ceil(ceil(max_seq_len / num_splits) / block_n) "
+                              "* block_n; split g reads [g * tokens_per_split, (g + 1) * tokens_per_split), cut "
+                              "at seq_len")
+
+
+def split_pages(block_table, start: int, end: int, block_size: int) -> list[int]:
+    """The physical pages a split reading positions ``start .. end - 1`` loads, in logical order.
+
+    Position ``pos`` lives in page ``block_table[pos // block_size]``; list each page once
+    (a page holds ``block_size`` consecutive positions). An empty range reads no page.
+    ValueError if ``start > end``, ``start < 0``, or a position lies beyond the table.
+    """
+    raise NotImplementedError("split_pages: the logical blocks from start // block_size to (end - 1) // block_size, "
+                              "looked up in the block table")
+
+
+# -- task merge_splits ---------------------------------------------------------------------
+def merge_splits(partial_out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Stage 2: merge the splits' partial outputs into the attention output.
+
+    ``partial_out`` is ``[..., num_splits, head_dim]`` (normalised partial outputs), ``lse``
+    ``[..., num_splits]``; returns ``[..., head_dim]`` in ``partial_out``'s dtype, computed in
+    float32 at least (float64 stays float64).
+
+        out = sum_g exp(lse_g - lse_max) * out_g / sum_g exp(lse_g - lse_max)
+
+    * subtract the largest lse of each row before ``exp``: lse can be in the thousands;
+    * an empty split (lse = -inf) gets weight 0 and its partial output (anything, even NaN)
+      must not reach the result; every row has at least one non-empty split.
+
+    Errors: TypeError if an argument is not a tensor; ValueError unless ``lse.shape ==
+    partial_out.shape[:-1]``.
+    """
+    raise NotImplementedError("merge_splits: weights = exp(lse - max lse), zero out the partials of empty splits, "
+                              "then a weighted average over the split dimension")
+
+
+# -- task merge_kernel ---------------------------------------------------------------------
+@triton.jit
+def merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
+                        HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    """One program merges one row (one sequence's query head): the Triton form of ``merge_splits``.
+
+    * ``partial_ptr``: float32 ``[rows, num_splits, HEAD_DIM]``, contiguous: the row's split
+      ``g`` starts at element ``(row * num_splits + g) * HEAD_DIM``;
+    * ``lse_ptr``: float32 ``[rows, num_splits]``; ``out_ptr``: ``[rows, HEAD_DIM]`` in any float
+      dtype (cast with ``.to(out_ptr.dtype.element_ty)``);
+    * ``tl.arange`` needs a power of two: load ``SPLITS_PAD >= num_splits`` splits and mask the
+      padding (lse -inf for padding makes its weight 0);
+    * an empty split (lse = -inf) may hold NaN in ``partial_ptr``: mask it out of the load.
+    """
+    raise NotImplementedError("merge_splits_kernel: load the row's lse (masked), weights = exp(lse - max), load the "
+                              "partials of splits that exist and hold tokens, store sum(w * partial) / sum(w)")
+
+
+def merge_with_kernel(partial_out: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Launch your kernel (given): ``partial_out [..., num_splits, D]``, ``lse [..., num_splits]`` -> ``[..., D]``."""
+    *lead, num_splits, head_dim = partial_out.shape
+    partial = partial_out.reshape(-1, num_splits, head_dim).to(torch.float32).contiguous()
+    lse_rows = lse.reshape(-1, num_splits).to(torch.float32).contiguous()
+    out = torch.empty(partial.shape[0], head_dim, dtype=dtype or partial_out.dtype, device=partial_out.device)
+    merge_splits_kernel[(partial.shape[0],)](partial, lse_rows, out, num_splits, HEAD_DIM=head_dim,
+                                             SPLITS_PAD=triton.next_power_of_2(num_splits))
+    return out.reshape(*lead, head_dim)
