@@ -27,6 +27,8 @@ import triton.language as tl
 from kvlab.kernels.checks import check_kv_cache_pair, check_same_device
 
 MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
+GPU_BLOCK_N = 128           # tokens per tile on a GPU (an H200 sweep: benchmarks/tune_attention.py)
+INTERPRETER_BLOCK_N = 16    # small tiles, so the interpreter's short sequences still cross several
 
 
 @triton.jit
@@ -170,7 +172,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device))
     # On a GPU: 128-token tiles, 8 warps, 3 stages in flight won an H200 sweep
     # (benchmarks/tune_attention.py) at both long-batch and one-long-sequence shapes.
-    block_n = block_n or (128 if q.is_cuda else 16)
+    block_n = block_n or (GPU_BLOCK_N if q.is_cuda else INTERPRETER_BLOCK_N)
     if q.is_cuda:
         num_warps, num_stages = num_warps or 8, num_stages or 3
     tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n

@@ -227,3 +227,10 @@ def test_benchmark_table_marks_refusals():
     assert len(lines) == 3
     assert lines[1].split()[:2] == ["1", "32768"] and "10.0x" in lines[1]
     assert "n/a" in lines[2] and "nan" not in lines[2]
+
+
+def test_the_grid_model_uses_the_kernels_gpu_tile():
+    from kvlab.kernels.paged_decode import GPU_BLOCK_N
+    from kvlab.viz.decode import GPU_TILE
+
+    assert GPU_TILE == GPU_BLOCK_N

@@ -33,7 +33,7 @@ from matplotlib.patheffects import withStroke
 from kvlab.viz.page_map import FREE_EDGE, FREE_FACE, tint
 
 H200_SMS = 132      # streaming multiprocessors of an NVIDIA H200
-GPU_TILE = 128      # tokens per tile of paged_decode on a GPU (its default block_n there)
+GPU_TILE = 128      # = kvlab.kernels.paged_decode.GPU_BLOCK_N (a test keeps them equal; no Triton import here)
 SM_COLUMNS = 12     # SMs per row in the grid pictures
 IDLE_FACE = "#e9ecef"
 SPLIT_PALETTE = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 7]  # grey means "not read"
