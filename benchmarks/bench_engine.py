@@ -145,7 +145,8 @@ def main() -> None:
         total, steps = run_kvlab(model, prompts.tolist(), NEW)
         kvlab_decode = batch / statistics.median(steps)
         roofline = batch / (step_bytes(weight_bytes, batch, PROMPT + NEW // 2, args.layers) / bandwidth)
-        rows.append({"batch": batch, "hf_decode_tok_s": round(hf_decode, 1), "kvlab_decode_tok_s": round(kvlab_decode, 1),
+        rows.append({"batch": batch, "hf_decode_tok_s": round(hf_decode, 1),
+                     "kvlab_decode_tok_s": round(kvlab_decode, 1),
                      "kvlab_vs_hf": round(kvlab_decode / hf_decode, 2), "roofline_tok_s": round(roofline, 1),
                      "kvlab_of_roofline": round(kvlab_decode / roofline, 2),
                      "hf_of_roofline": round(hf_decode / roofline, 2),

@@ -79,7 +79,7 @@ def measure(batch, length, dim) -> dict:
     runs["kvlab_paged"]()
     row = {"batch": batch, "seq_len": length, "heads": HEADS, "head_dim": dim,
            "err_kvlab": float((out.float() - ref).abs().max()),
-           "err_paged": float((out_packed.float() - ref.transpose(1, 2).reshape(batch * length, HEADS, dim)).abs().max())}
+           "err_paged": float((out_packed.float() - ref.transpose(1, 2).reshape(out_packed.shape)).abs().max())}
     for name in ("kvlab", "kvlab_paged", "sdpa_flash", "sdpa_cudnn", "naive"):
         try:
             row[name] = round(flops / bench(runs[name]) / 1e12, 1) if name in runs else None

@@ -26,3 +26,18 @@ def check_same_device(**tensors: torch.Tensor) -> None:
     for name, t in rest:
         if t.device != first.device:
             raise ValueError(f"{name} is on {t.device}, {first_name} is on {first.device}")
+
+
+def grid_length(lengths: torch.Tensor, hint: int | None, name: str, check: bool) -> int:
+    """The longest of ``lengths``, which sizes a launch's grid.
+
+    ``hint`` (the caller knows it) spares the read back to the host; with ``check`` it is still
+    read and compared: a hint that is too short would leave work undone, silently.
+    """
+    if hint is not None and not check:
+        return hint
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if hint is not None and hint < longest:
+        raise ValueError(f"{name} = {hint} is shorter than the longest length it stands for, {longest}: "
+                         "the rows or tokens past it would never be computed")
+    return longest if hint is None else hint

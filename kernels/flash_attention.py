@@ -33,7 +33,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kvlab import profile
-from kvlab.kernels.checks import check_kv_cache_pair, check_same_device
+from kvlab.kernels.checks import check_kv_cache_pair, check_same_device, grid_length
 
 LOG2_E = 1.4426950408889634  # scores are scaled by log2(e) so the kernels can use exp2
 
@@ -240,8 +240,9 @@ def paged_prefill_kernel(
     # of BLOCK_N keys may span several pages (or part of one): each key finds its own page.
     # Walking keys rather than whole pages keeps BLOCK_N a choice for the tensor cores, free of
     # the page size (16-token pages would make 16-key tiles, thin for an MMA; 5-token pages
-    # could not be a tile at all). It costs little: each key's row is still HEAD_DIM contiguous
-    # elements, and the table entries a tile reads again and again stay in cache.
+    # could not be a tile at all). The price: a tile of scattered rows cannot go to the TMA copy
+    # engine as one piece, so each key's address is computed and its row gathered; on an H200
+    # this kernel runs at 0.64-0.80 of the contiguous one (benchmarks/RESULTS.md).
     full_end, end, shift = _causal_bounds(start_m, len_q, seq_len, BLOCK_M, BLOCK_N, True)
     for start_n in range(0, full_end, BLOCK_N):
         k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, start_n + offs_n, seq_len, kv_head,
@@ -356,12 +357,8 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if varlen:
         batch, num_heads, len_q, len_k = cu_seqlens_q.numel() - 1, q.shape[1], 0, 0
-        if max_seqlen_q is None or validate:
-            longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch > 0 else 0
-            if max_seqlen_q is not None and max_seqlen_q < longest:
-                raise ValueError(f"max_seqlen_q = {max_seqlen_q} is shorter than the longest sequence's "
-                                 f"{longest} queries: rows past it would never be computed")
-            max_seqlen_q = longest if max_seqlen_q is None else max_seqlen_q
+        lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+        max_seqlen_q = grid_length(lens_q, max_seqlen_q, "max_seqlen_q", validate)
         lse = torch.empty((num_heads, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
         # (batch, token, head) strides: the batch stride is 0, rows are found through cu_seqlens.
         strides = [(0, out.stride(0), out.stride(1)), (0, 1, q.shape[0]) if return_lse else (0, 0, 0)]
@@ -370,7 +367,8 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
         len_k = k.shape[2]
         max_seqlen_q = len_q
         lse = torch.empty((batch, num_heads, len_q), dtype=torch.float32, device=q.device) if return_lse else None
-        strides = [(out.stride(0), out.stride(2), out.stride(1)), (num_heads * len_q, 1, len_q) if return_lse else (0, 0, 0)]
+        strides = [(out.stride(0), out.stride(2), out.stride(1)),
+                   (num_heads * len_q, 1, len_q) if return_lse else (0, 0, 0)]
     cfg = _launch_config(head_dim, max_seqlen_q, block_m, block_n, num_warps, num_stages, q.element_size())
     if batch > 0 and max_seqlen_q > 0:
         grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
@@ -386,7 +384,8 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
 
 def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale: float | None = None, *,
                   max_query_len: int | None = None, cu_query_lens: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, validate: bool = True, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                  out: torch.Tensor | None = None, validate: bool = True, block_m: int | None = None,
+                  block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> torch.Tensor:
     """Causal attention of a step's new tokens to their sequences' paged K/V (prefill and extend).
 
@@ -410,22 +409,17 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = query_lens.shape[0]
-    if max_query_len is None or validate:
-        longest = int(query_lens.max()) if batch > 0 else 0
-        if max_query_len is not None and max_query_len < longest:
-            raise ValueError(f"max_query_len = {max_query_len} is shorter than the longest query_lens entry, "
-                             f"{longest}: rows past it would never be computed")
-        max_query_len = longest if max_query_len is None else max_query_len
+    max_query_len = grid_length(query_lens, max_query_len, "max_query_len", validate)
     if batch == 0 or num_tokens == 0 or max_query_len == 0:
         return out
     # Sequence b's queries are rows cu_query_lens[b] .. cu_query_lens[b + 1] - 1 of q.
     if cu_query_lens is None or validate:
         running_sum = torch.nn.functional.pad(torch.cumsum(query_lens, 0, dtype=torch.int32), (1, 0))
-    if cu_query_lens is None:
+        given = cu_query_lens
+        if given is not None and (given.dtype != torch.int32 or given.shape != running_sum.shape
+                                  or not torch.equal(given, running_sum)):
+            raise ValueError("cu_query_lens must be the int32 running sum of query_lens with a leading 0")
         cu_query_lens = running_sum
-    elif validate and (cu_query_lens.dtype != torch.int32 or cu_query_lens.shape != running_sum.shape
-                       or not torch.equal(cu_query_lens, running_sum)):
-        raise ValueError("cu_query_lens must be the int32 running sum of query_lens with a leading 0")
     cfg = _launch_config(head_dim, max_query_len, block_m, block_n, num_warps, num_stages, q.element_size())
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_heads, batch)
     paged_prefill_kernel[grid](

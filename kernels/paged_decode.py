@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.checks import check_kv_cache_pair, check_same_device
+from kvlab.kernels.checks import check_kv_cache_pair, check_same_device, grid_length
 
 MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
 GPU_BLOCK_N = 128           # tokens per tile on a GPU (an H200 sweep: benchmarks/tune_attention.py)
@@ -160,12 +160,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if batch == 0:
         return out
-    if max_seq_len is None or validate:
-        longest = int(seq_lens.max())
-        if max_seq_len is not None and max_seq_len < longest:
-            raise ValueError(f"max_seq_len = {max_seq_len} is shorter than the longest seq_lens entry, {longest}: "
-                             "the tokens past it would never be read")
-        max_seq_len = longest if max_seq_len is None else max_seq_len
+    max_seq_len = grid_length(seq_lens, max_seq_len, "max_seq_len", validate)
     if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's smallest tile), got {block_n!r}")
     if num_splits is None:
