@@ -16,7 +16,8 @@ Two kernels run that same loop and differ only in where a tile of K/V comes from
   ``cu_seqlens``).
 * :func:`paged_prefill`: K and V live in the paged cache; each key's slot is found through the
   sequence's block table. This is the engine's prefill/extend attention: new tokens attend to
-  the cached prefix and to themselves.
+  the cached prefix and to themselves. Handed the step's own K/V (``k_new``/``v_new``), it
+  reads the new tokens' keys from them as whole tiles and only the prefix through the table.
 
 Causal attention is bottom-right aligned: a sequence's ``len_q`` queries are its *last*
 ``len_q`` positions, so query ``i`` sees keys ``0 .. len_k - len_q + i`` (prefill, decode and
@@ -105,6 +106,27 @@ def _load_tile(desc, seq, head, row, VARLEN: tl.constexpr, ROWS: tl.constexpr, H
 
 
 @triton.jit
+def _attend_keys(acc, m_i, l_i, q, offs_m, k_desc, v_desc, seq, kv_head, k_start, full_end, end, len_k, shift,
+                 qk_scale, CAUSAL: tl.constexpr, VARLEN: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold keys ``0 .. end - 1`` of one sequence, whole tiles from contiguous K/V (its rows
+    start at ``k_start``), into the running softmax: the tiles of ``[0, full_end)`` need no
+    mask, the rest are masked (see ``_causal_bounds``)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(0, full_end, BLOCK_N):
+        k = _load_tile(k_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
+        v = _load_tile(v_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
+                                     MASKED=False, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        k = _load_tile(k_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
+        v = _load_tile(v_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
+                                     MASKED=True, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def flash_attention_kernel(
     q_desc, k_desc, v_desc,               # tensor descriptors of q, k, v (see _load_tile)
     out_ptr, lse_ptr,
@@ -137,7 +159,6 @@ def flash_attention_kernel(
         return
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     # The program's queries stay in registers for the whole loop.
     q = _load_tile(q_desc, seq, head, q_start + start_m, VARLEN, BLOCK_M, HEAD_DIM)
@@ -145,19 +166,11 @@ def flash_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)                 # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)       # running sum of exp2(score - m_i) * v
 
+    # Tiles every query sees in full first, with no masks at all; then the tiles on the causal
+    # diagonal or past the last key, masked.
     full_end, end, shift = _causal_bounds(start_m, len_q, len_k, BLOCK_M, BLOCK_N, CAUSAL)
-    # Tiles every query sees in full: no masks at all.
-    for start_n in range(0, full_end, BLOCK_N):
-        k = _load_tile(k_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
-        v = _load_tile(v_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
-                                     MASKED=False, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
-    # Tiles on the causal diagonal or past the last key: masked.
-    for start_n in range(full_end, end, BLOCK_N):
-        k = _load_tile(k_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
-        v = _load_tile(v_desc, seq, kv_head, k_start + start_n, VARLEN, BLOCK_N, HEAD_DIM)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
-                                     MASKED=True, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
+    acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, offs_m, k_desc, v_desc, seq, kv_head, k_start, full_end, end,
+                                 len_k, shift, qk_scale, CAUSAL, VARLEN, BLOCK_N, HEAD_DIM, DOT_PRECISION)
 
     # The softmax's denominator is applied once, at the end, not to every tile.
     out = acc / l_i[:, None]
@@ -175,23 +188,28 @@ def flash_attention_kernel(
 
 # -- K/V in the paged cache ----------------------------------------------------------------
 @triton.jit
-def _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, seq_len, kv_head,
+def _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, start_n, len_k, kv_head,
                    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   MASKED: tl.constexpr):
-    """K and V of the tokens at positions ``pos`` [BLOCK_N] of one sequence, read through its
-    block table: token ``pos`` lives in slot ``table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE``."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    if MASKED:
-        in_seq = pos < seq_len
-        page = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_seq, other=0)
+                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    """K and V of the keys ``start_n .. start_n + BLOCK_N - 1`` of one sequence, read through its
+    block table: key ``pos`` lives in slot ``table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE``."""
+    pos = start_n + tl.arange(0, BLOCK_N)
+    in_seq = pos < len_k
+    if BLOCK_N % BLOCK_SIZE == 0 and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
+        # The tile is whole pages: one table read per page, handed to the page's keys (on an
+        # H200 5-10% faster than a read per key).
+        PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
+        index = start_n // BLOCK_SIZE + tl.arange(0, PAGES)
+        pages = tl.load(table_ptr + index, mask=index * BLOCK_SIZE < len_k, other=0)
+        page = tl.reshape(tl.broadcast_to(pages[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,))
     else:
-        page = tl.load(table_ptr + pos // BLOCK_SIZE)
+        page = tl.load(table_ptr + pos // BLOCK_SIZE, mask=in_seq, other=0)
     slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
     # A slot holds all KV heads of one token; this head's row is HEAD_DIM contiguous elements.
-    offs = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + offs_d[None, :]
+    offs = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     if MASKED:
-        # Masked, not just ignored: a slot past the sequence's end may hold anything, NaN
-        # included, and 0 * NaN would leak into the output through the p @ v product.
+        # Masked, not just ignored: a slot past the keys' end may hold anything, NaN included,
+        # and 0 * NaN would leak into the output through the p @ v product.
         k = tl.load(k_cache_ptr + offs, mask=in_seq[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=in_seq[:, None], other=0.0)
     else:
@@ -201,62 +219,89 @@ def _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, pos, seq_len, kv_head,
 
 
 @triton.jit
+def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, full_end, end,
+                       len_k, shift, qk_scale, CAUSAL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                       NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """``_attend_keys`` for keys in the paged cache: the same two ranges of tiles, each tile's
+    keys found through the block table (``len_k``: the keys that exist)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(0, full_end, BLOCK_N):
+        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, start_n, len_k, kv_head,
+                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, MASKED=False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
+                                     MASKED=False, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
+    for start_n in range(full_end, end, BLOCK_N):
+        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, start_n, len_k, kv_head,
+                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, MASKED=True)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
+                                     MASKED=True, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def paged_prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,   # q, out: [total_q, num_heads, HEAD_DIM]
+    q_desc,                                     # descriptor of q [total_q, num_heads, HEAD_DIM]
+    k_new_desc, v_new_desc,                     # NEW_KV: descriptors of the new tokens' K/V, packed like q
+    k_cache_ptr, v_cache_ptr, out_ptr,          # caches [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
     block_tables_ptr,                           # [batch, max_blocks] int32
     seq_lens_ptr,                               # [batch] int32: cached tokens, the new ones included
     cu_query_lens_ptr,                          # [batch + 1] int32: where each sequence's queries start
-    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_ot, stride_oh,
     stride_table,                               # block_tables.stride(0)
     group, qk_scale,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # One program: BLOCK_M new tokens of one head of one sequence.
     pid_m = tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2).to(tl.int64)
     kv_head = head // group
-    q_start = tl.load(cu_query_lens_ptr + seq).to(tl.int64)
+    q_start = tl.load(cu_query_lens_ptr + seq)
     len_q = tl.load(cu_query_lens_ptr + seq + 1) - q_start
     start_m = pid_m * BLOCK_M
     if start_m >= len_q:
         return
-    # The new tokens are the last len_q of the sequence's seq_len: the causal shift is the
-    # length of the cached prefix.
+    # The new tokens are the last len_q of the sequence's seq_len.
     seq_len = tl.load(seq_lens_ptr + seq)
     table_ptr = block_tables_ptr + seq * stride_table
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = q_ptr + (q_start + offs_m[:, None]) * stride_qt + head * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=offs_m[:, None] < len_q, other=0.0)
+    q = _load_tile(q_desc, seq, head, q_start + start_m, True, BLOCK_M, HEAD_DIM)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Same bounds, same two loops as flash_attention_kernel; only the K/V loads differ. A tile
-    # of BLOCK_N keys may span several pages (or part of one): each key finds its own page.
+    # A tile of BLOCK_N keys may span several pages (or part of one): each key finds its page.
     # Walking keys rather than whole pages keeps BLOCK_N a choice for the tensor cores, free of
     # the page size (16-token pages would make 16-key tiles, thin for an MMA; 5-token pages
     # could not be a tile at all). The price: a tile of scattered rows cannot go to the TMA copy
     # engine as one piece, so each key's address is computed and its row gathered; on an H200
-    # this kernel runs at 0.64-0.80 of the contiguous one (benchmarks/RESULTS.md).
-    full_end, end, shift = _causal_bounds(start_m, len_q, seq_len, BLOCK_M, BLOCK_N, True)
-    for start_n in range(0, full_end, BLOCK_N):
-        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, start_n + offs_n, seq_len, kv_head,
-                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, MASKED=False)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, seq_len, shift, qk_scale,
-                                     MASKED=False, CAUSAL=True, DOT_PRECISION=DOT_PRECISION)
-    for start_n in range(full_end, end, BLOCK_N):
-        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, table_ptr, start_n + offs_n, seq_len, kv_head,
-                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, MASKED=True)
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, seq_len, shift, qk_scale,
-                                     MASKED=True, CAUSAL=True, DOT_PRECISION=DOT_PRECISION)
+    # that runs at about 0.7-0.85 of the contiguous kernel (benchmarks/RESULTS.md).
+    if NEW_KV:
+        # The step's own keys are at hand, contiguous, as the caller computed them: only the
+        # cached prefix goes through the block table. Every new token sees the whole prefix (no
+        # causal mask; only its ragged last tile is masked), and the new tokens attend causally
+        # to each other, tiles straight from k_new/v_new. A plain prefill reads no page at all.
+        prefix_len = seq_len - len_q
+        acc, m_i, l_i = _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+                                           (prefix_len // BLOCK_N) * BLOCK_N, prefix_len, prefix_len, 0, qk_scale,
+                                           False, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+        full_end, end, shift = _causal_bounds(start_m, len_q, len_q, BLOCK_M, BLOCK_N, True)
+        acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, offs_m, k_new_desc, v_new_desc, seq, kv_head, q_start,
+                                     full_end, end, len_q, shift, qk_scale, True, True, BLOCK_N, HEAD_DIM,
+                                     DOT_PRECISION)
+    else:
+        # Every key through the block table, the causal shift being the cached prefix's length.
+        full_end, end, shift = _causal_bounds(start_m, len_q, seq_len, BLOCK_M, BLOCK_N, True)
+        acc, m_i, l_i = _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+                                           full_end, end, seq_len, shift, qk_scale, True, BLOCK_SIZE,
+                                           NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION)
 
     out = acc / l_i[:, None]
-    out_ptrs = out_ptr + (q_start + offs_m[:, None]) * stride_ot + head * stride_oh + offs_d[None, :]
+    out_ptrs = out_ptr + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=offs_m[:, None] < len_q)
 
 
@@ -383,6 +428,7 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
 
 
 def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale: float | None = None, *,
+                  k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                   max_query_len: int | None = None, cu_query_lens: torch.Tensor | None = None,
                   out: torch.Tensor | None = None, validate: bool = True, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
@@ -396,13 +442,19 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     ``query_lens`` int32 ``[batch]`` (new tokens; they are the sequence's last positions).
     The engine's attention-backend signature; returns ``q``'s shape and dtype.
 
+    ``k_new``/``v_new`` (optional, ``[total_q, num_kv_heads, head_dim]``, packed like ``q``): the
+    new tokens' K/V, the very values ``write_kv`` put in the cache. Given them, the kernel reads
+    the new tokens' keys from them, whole tiles at a time, and only the cached prefix through the
+    block table; without them, every key goes through the table.
+
     ``validate`` checks every argument before the launch, reading the lengths and the used
     block-table entries back to the host; ``max_query_len`` spares the one read the grid needs,
     ``cu_query_lens`` (the running sum of ``query_lens`` with a leading 0, if the caller has it)
     the two small launches that compute it.
     """
     if validate:
-        check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out)
+        check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out,
+                                 k_new, v_new)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
@@ -421,12 +473,15 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
             raise ValueError("cu_query_lens must be the int32 running sum of query_lens with a leading 0")
         cu_query_lens = running_sum
     cfg = _launch_config(head_dim, max_query_len, block_m, block_n, num_warps, num_stages, q.element_size())
+    new_kv = k_new is not None
+    q_desc = _tile_descriptor(q, cfg["BLOCK_M"], varlen=True)
+    k_new_desc, v_new_desc = ((_tile_descriptor(k_new, cfg["BLOCK_N"], varlen=True),
+                               _tile_descriptor(v_new, cfg["BLOCK_N"], varlen=True)) if new_kv else (None, None))
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_heads, batch)
     paged_prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_lens, cu_query_lens,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        num_heads // num_kv_heads, sm_scale * LOG2_E,
-        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        q_desc, k_new_desc, v_new_desc, k_cache, v_cache, out, block_tables, seq_lens, cu_query_lens,
+        out.stride(0), out.stride(1), block_tables.stride(0), num_heads // num_kv_heads, sm_scale * LOG2_E,
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, NEW_KV=new_kv,
         DOT_PRECISION=_dot_precision(q.dtype), **cfg)
     return out
 
@@ -559,7 +614,8 @@ def check_flash_attention_args(q, k, v, causal, sm_scale, cu_seqlens_q, cu_seqle
         raise ValueError(f"sequence {i} has {int(lens_q[i])} queries and {int(lens_k[i])} keys: {rule}")
 
 
-def check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out) -> None:
+def check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out,
+                             k_new=None, v_new=None) -> None:
     """Raise TypeError/ValueError naming the first argument of paged_prefill that breaks a rule."""
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache_pair(k_cache, v_cache)
     _check_tensor("q", q, 3, "[total_q, num_heads, head_dim]")
@@ -569,6 +625,18 @@ def check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_
     _check_rows_contiguous(q=q)
     _check_sm_scale(sm_scale)
     _check_out(out, q)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new come together: give both (the new tokens' K and V) or neither")
+    if k_new is not None:
+        want = [q.shape[0], num_kv_heads, head_dim]
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            _check_tensor(name, t, 3, "[total_q, num_kv_heads, head_dim]")
+            if list(t.shape) != want:
+                raise ValueError(f"{name} must be {want} (one row of K/V per new token, packed like q), "
+                                 f"got {list(t.shape)}")
+        _check_dtypes(q=q, k_new=k_new, v_new=v_new)
+        _check_rows_contiguous(k_new=k_new, v_new=v_new)
+        check_same_device(q=q, k_new=k_new, v_new=v_new)
     if not isinstance(block_tables, torch.Tensor):
         raise TypeError(f"block_tables must be a torch.Tensor, got {type(block_tables).__name__}")
     if block_tables.dtype != torch.int32:

@@ -198,8 +198,18 @@ def paged_batch(gen, seqs, block_size, num_heads, num_kv_heads, head_dim, dtype)
     return q, k_cache, v_cache, tables.to(DEVICE), seq_lens, query_lens
 
 
-def check_paged(args, dtype, sm_scale=None, **kw):
+def new_tokens_kv(args):
+    """The new tokens' K/V, packed like q, as the engine hands them over (``k_new``/``v_new``)."""
+    q, k_cache, v_cache, tables, seq_lens, query_lens = args
+    rows = [(i, int(n) - int(m), int(n)) for i, (n, m) in enumerate(zip(seq_lens, query_lens))]
+    return tuple(torch.cat([gather_kv(cache, tables[i], end)[start:] for i, start, end in rows])
+                 for cache in (k_cache, v_cache))
+
+
+def check_paged(args, dtype, sm_scale=None, new_kv=False, **kw):
     q = args[0]
+    if new_kv:
+        kw["k_new"], kw["v_new"] = new_tokens_kv(args)
     out = nan_like(q)
     got = paged_prefill(*args, sm_scale, out=out, **kw)
     assert got is out and got.dtype == q.dtype and got.shape == q.shape
@@ -209,10 +219,11 @@ def check_paged(args, dtype, sm_scale=None, **kw):
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("new_kv", [False, True], ids=["all-keys-paged", "new-keys-given"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_paged_prefill_matches_reference(dtype, group, block_size):
+def test_paged_prefill_matches_reference(dtype, group, block_size, new_kv):
     rng = random.Random(f"{dtype}{group}{block_size}")
     gen = torch.Generator().manual_seed(rng.randrange(2**31))
     b = block_size
@@ -226,25 +237,45 @@ def test_paged_prefill_matches_reference(dtype, group, block_size):
     head_dim = HEAD_DIMS[(group + block_size) % len(HEAD_DIMS)]
     num_kv_heads = 2 if group == 1 else 1
     args = paged_batch(gen, seqs, block_size, num_kv_heads * group, num_kv_heads, head_dim, dtype)
-    check_paged(args, dtype, sm_scale=0.2 if block_size == 5 else None)
+    check_paged(args, dtype, sm_scale=0.2 if block_size == 5 else None, new_kv=new_kv)
 
 
+@pytest.mark.parametrize("new_kv", [False, True], ids=["all-keys-paged", "new-keys-given"])
 @pytest.mark.parametrize("block_m,block_n", TILES)
-def test_paged_tiles_of_other_shapes(block_m, block_n):
+def test_paged_tiles_of_other_shapes(block_m, block_n, new_kv):
     """Tiles of keys smaller and larger than a page, both walking the same scattered pages."""
     gen = torch.Generator().manual_seed(block_m + block_n)
     seqs = [(0, 37 * SCALE), (13 * SCALE, 21 * SCALE), (40 * SCALE, 1)]
     args = paged_batch(gen, seqs, 8, 4, 2, HEAD_DIMS[-1], torch.float32)
-    check_paged(args, torch.float32, block_m=block_m, block_n=block_n)
+    check_paged(args, torch.float32, block_m=block_m, block_n=block_n, new_kv=new_kv)
 
 
 @settings(max_examples=profile.pick(cpu=8, gpu=40), deadline=None)
 @given(seqs=st.lists(st.tuples(st.integers(0, 30 * SCALE), st.integers(1, 20 * SCALE)), min_size=1, max_size=4),
-       block_size=st.sampled_from([1, 4, 7, 16]), group=st.sampled_from(GROUPS), seed=st.integers(0, 2**31 - 1))
-def test_paged_prefill_random_batches(seqs, block_size, group, seed):
+       block_size=st.sampled_from([1, 4, 7, 16]), group=st.sampled_from(GROUPS), seed=st.integers(0, 2**31 - 1),
+       new_kv=st.booleans())
+def test_paged_prefill_random_batches(seqs, block_size, group, seed, new_kv):
     gen = torch.Generator().manual_seed(seed)
     args = paged_batch(gen, seqs, block_size, group, 1, HEAD_DIMS[0], torch.float32)
-    check_paged(args, torch.float32)
+    check_paged(args, torch.float32, new_kv=new_kv)
+
+
+def test_given_new_keys_are_read_from_k_new_not_from_the_cache():
+    """With k_new/v_new only the cached prefix goes through the block table: the new tokens'
+    slots can hold NaN and nothing shows; with the slots intact both paths agree."""
+    gen = torch.Generator().manual_seed(11)
+    seqs = [(0, 19 * SCALE), (21 * SCALE, 9 * SCALE), (2 * SCALE, 1)]
+    args = paged_batch(gen, seqs, 4, 4, 2, HEAD_DIMS[0], torch.float32)
+    q, k_cache, v_cache, tables, seq_lens, query_lens = args
+    k_new, v_new = new_tokens_kv(args)
+    every_key_paged = paged_prefill(*args)
+    for i, (prefix, num_new) in enumerate(seqs):
+        pos = torch.arange(prefix, prefix + num_new)
+        slots = tables[i].cpu().long()[pos // 4] * 4 + pos % 4
+        for cache in (k_cache, v_cache):
+            cache.view(-1, *cache.shape[2:])[slots.to(DEVICE)] = float("nan")
+    got = paged_prefill(*args, k_new=k_new, v_new=v_new)
+    torch.testing.assert_close(got, every_key_paged, rtol=1e-5, atol=1e-5)
 
 
 def test_paged_prefill_agrees_with_packed_flash_attention():
@@ -398,6 +429,13 @@ PAGED_ERRORS = [
     (dict(v_cache=torch.randn(6, 4, 1, D0)), ValueError, "must match"),
     (dict(block_tables=torch.zeros(2, 3, dtype=torch.int32, device="meta")), ValueError, "block_tables is on meta"),
     (dict(sm_scale=0.0), ValueError, "sm_scale must be finite and positive"),
+    (dict(k_new=torch.randn(5, 2, D0)), ValueError, "k_new and v_new come together"),
+    (dict(k_new=torch.randn(4, 2, D0), v_new=torch.randn(4, 2, D0)), ValueError,
+     r"k_new must be \[5, 2, %d\]" % D0),
+    (dict(k_new=torch.randn(5, 2, D0), v_new=torch.randn(5, 2, D0, dtype=torch.float16)), TypeError,
+     "v_new has dtype torch.float16"),
+    (dict(k_new=torch.randn(5, 2, 2 * D0, device=DEVICE)[..., ::2], v_new=torch.randn(5, 2, D0)), ValueError,
+     "k_new must be contiguous in its last dim"),
 ]
 
 

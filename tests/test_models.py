@@ -271,6 +271,32 @@ def test_attention_backends_are_swappable():
         register_attention_backend("bad", 42)
 
 
+def test_backends_get_the_hints_their_signature_names():
+    """A backend with a ``k_new`` parameter receives the layer's new keys (the rows the step wrote
+    into the cache), and no hint it does not name (a surplus keyword would be a TypeError)."""
+    from kvlab.reference import gather_kv, paged_attention_ref
+
+    seen = {}
+
+    def wants_new_keys(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, k_new=None,
+                       max_query_len=None):
+        seen.setdefault("k_new", k_new)
+        seen.setdefault("k_cached", gather_kv(k_cache, block_tables[0], int(seq_lens[0])))
+        seen.setdefault("max_query_len", max_query_len)
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_lens,
+                                   sm_scale=sm_scale).to(q.dtype)
+
+    register_attention_backend("wants-new-keys", wants_new_keys)
+    model = tiny_model()
+    pool, cache = BlockPool(num_blocks=8, block_size=4), make_cache(model.config, num_blocks=8)
+    pool.allocate(0, 6)
+    with use_attention_backend("wants-new-keys"):
+        run_step(model, cache, pool, {0: [5, 6, 7, 8, 9, 10]}, [(0, 0, 6)])
+    assert seen["k_new"].shape == (6, model.config.num_kv_heads, model.config.head_dim)
+    torch.testing.assert_close(seen["k_new"], seen["k_cached"], rtol=0, atol=0)
+    assert seen["max_query_len"] is None      # AttentionContext.from_pool computes no hints
+
+
 def test_a_context_needs_flat_tokens():
     model = tiny_model()
     pool, cache = BlockPool(num_blocks=8, block_size=4), make_cache(model.config, num_blocks=8)

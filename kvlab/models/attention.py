@@ -104,21 +104,37 @@ def _paged_attention_reference(q, k_cache, v_cache, block_tables, seq_lens, quer
 
 
 def _paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *,
-                            max_seq_len=None, max_query_len=None, cu_query_lens=None):
+                            max_seq_len=None, max_query_len=None, cu_query_lens=None, k_new=None, v_new=None):
     """The course's kernels: FlashDecoding when every sequence brings one token (a decode
-    step), else the paged prefill/extend kernel. Arguments were built by the engine: no checks."""
+    step), else the paged prefill/extend kernel, which reads the step's own keys from
+    ``k_new``/``v_new`` and only the cached prefix through the block tables. Arguments were
+    built by the engine: no checks."""
     from kvlab.kernels import paged_decode, paged_prefill
 
     if q.shape[0] == query_lens.shape[0]:          # one query per sequence
         return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, sm_scale=sm_scale, validate=False,
                             max_seq_len=max_seq_len)
     return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale=sm_scale,
-                         validate=False, max_query_len=max_query_len, cu_query_lens=cu_query_lens)
+                         k_new=k_new, v_new=v_new, validate=False, max_query_len=max_query_len,
+                         cu_query_lens=cu_query_lens)
 
+
+# What a layer can hand a backend beyond the seven positional arguments, each only to the
+# backends whose signature names it: the step's lengths known up front (AttentionContext.hints)
+# and the new tokens' K/V, which the cache also holds.
+HINTS = ("max_seq_len", "max_query_len", "cu_query_lens", "k_new", "v_new")
 
 _BACKENDS: dict[str, PagedAttentionFn] = {"reference": _paged_attention_reference, "triton": _paged_attention_triton}
-_TAKES_HINTS = {"triton"}     # backends that accept AttentionContext.hints() as keywords
+_BACKEND_HINTS: dict[str, frozenset] = {"reference": frozenset(), "triton": frozenset(HINTS)}
 _active_backend = "reference"
+
+
+def _hints_taken(fn) -> frozenset:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(name for name in HINTS if name in params)
 
 
 def register_attention_backend(name: str, fn: PagedAttentionFn) -> None:
@@ -126,18 +142,12 @@ def register_attention_backend(name: str, fn: PagedAttentionFn) -> None:
 
     ``q`` is ``[num_tokens, num_heads, head_dim]``, the caches one layer's
     ``[num_blocks, block_size, num_kv_heads, head_dim]``; it returns ``q``'s shape and dtype.
+    Keyword parameters named like the :data:`HINTS` receive them.
     """
     if not callable(fn):
         raise TypeError(f"an attention backend must be callable, got {type(fn).__name__}")
     _BACKENDS[name] = fn
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if {"max_seq_len", "max_query_len", "cu_query_lens"} <= set(params):
-        _TAKES_HINTS.add(name)
-    else:
-        _TAKES_HINTS.discard(name)
+    _BACKEND_HINTS[name] = _hints_taken(fn)
 
 
 def attention_backends() -> list[str]:
@@ -170,11 +180,11 @@ def use_attention_backend(name: str):
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, hints=None):
     """Attention of a packed step's queries to their sequences' paged K/V (the active backend).
 
-    ``hints`` (:meth:`AttentionContext.hints`) go to the backends whose signature takes them."""
+    ``hints`` (a dict of :data:`HINTS`) go to the backends whose signature takes them."""
     fn = _BACKENDS[_active_backend]
-    if hints and _active_backend in _TAKES_HINTS:
-        return fn(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, **hints)
-    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale)
+    taken = _BACKEND_HINTS.get(_active_backend, frozenset())
+    extra = {name: value for name, value in (hints or {}).items() if name in taken}
+    return fn(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, **extra)
 
 
 def causal_attention(q, k, v, sm_scale: float) -> torch.Tensor:
@@ -248,8 +258,8 @@ class Attention(nn.Module):
             from kvlab.kernels import write_kv  # imported here: kvlab.models loads without Triton
 
             k_cache, v_cache = ctx.kv_cache.k[self.layer_idx], ctx.kv_cache.v[self.layer_idx]
-            write_kv(k.to(k_cache.dtype), v.contiguous().to(v_cache.dtype), k_cache, v_cache,
-                     ctx.slot_mapping, validate=ctx.validate)
+            k, v = k.to(k_cache.dtype), v.contiguous().to(v_cache.dtype)
+            write_kv(k, v, k_cache, v_cache, ctx.slot_mapping, validate=ctx.validate)
             out = paged_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_lens,
-                                  self.sm_scale, ctx.hints())
+                                  self.sm_scale, dict(ctx.hints(), k_new=k, v_new=v))
         return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
