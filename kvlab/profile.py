@@ -46,6 +46,34 @@ if PROFILE == "cpu" and "TRITON_INTERPRET" not in os.environ:
 INTERPRETED: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _interpreter_scalars_as_indices() -> None:
+    """Let computed loop bounds work in the interpreter of older Tritons with NumPy >= 2.4.
+
+    The interpreter keeps a scalar in a one-element array. Triton 3.6 turns it into a Python
+    index with ``int(array)``, which NumPy 2.4 refuses ("only 0-dimensional arrays can be
+    converted to Python scalars"), so ``range(0, end, BLOCK_N)`` with a computed ``end`` fails;
+    later Tritons squeeze the array first. This does the same for the older ones.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:      # no Triton on this platform: nothing to interpret
+        return
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "squeezes_scalars", False):
+        return
+
+    def patch_tensor_squeezing(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_tensor_squeezing.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patch_tensor_squeezing
+
+
+if INTERPRETED:
+    _interpreter_scalars_as_indices()
+
+
 def resolve(profile: str | None = None) -> str:
     """The profile a notebook should size itself for: ``profile`` if given, else the machine's.
 
