@@ -5,8 +5,14 @@
 Causal, bf16, 32 heads. Peers in the same run: SDPA with the flash backend (FlashAttention-2)
 and the cuDNN backend (FlashAttention-3 class on Hopper), and naive attention (the score
 matrix written out, softmax, product) where it fits. ``kvlab_paged`` is ``paged_prefill`` with
-every key and value read through shuffled block tables (block size 16), on the same numbers.
-TFLOP/s count the causal half of the two matrix products: 2 * 2 * batch * heads * L^2 * D / 2.
+every key and value read through shuffled block tables (block size 16), on the same numbers;
+``kvlab_paged_new`` is the engine's call, which hands the kernel the step's own K/V
+(``k_new``/``v_new``) and reads only the cached prefix through the table: in a plain prefill,
+none. TFLOP/s count the causal half of the two matrix products: 2 * 2 * batch * heads * L^2 * D / 2.
+
+Extends (``EXTENDS``: ``new`` tokens onto a cached prefix of ``prefix``) put most keys behind
+the block table in both paged modes; they are compared with ``flash_attention`` on the same
+keys held contiguously (SDPA's causal mask is aligned top-left, so it has no such case).
 Also: peak memory of naive attention and of the kernel for one sequence of growing length.
 """
 from __future__ import annotations
@@ -27,6 +33,7 @@ from kvlab.kernels import flash_attention, paged_prefill  # noqa: E402
 
 HEADS, BLOCK_SIZE = 32, 16
 TARGETS = [(8, 1024, 128), (2, 4096, 128), (1, 16384, 128), (4, 4096, 64)]   # the chapter's goals
+EXTENDS = [(8, 768, 256, 128), (4, 3072, 1024, 128), (1, 12288, 4096, 128), (4, 3072, 1024, 64)]
 SWEEP = [(32, 512, 128), (16, 1024, 128), (8, 2048, 128), (4, 4096, 128), (2, 8192, 128), (1, 16384, 128)]
 
 
@@ -40,6 +47,11 @@ def naive_attention(q, k, v):
 def sdpa(q, k, v, backend):
     with sdpa_kernel(backend):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def packed(t):
+    """[batch, heads, len, dim] -> [batch * len, heads, dim], contiguous."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).contiguous()
 
 
 def paged_copy(k, v):
@@ -58,29 +70,35 @@ def measure(batch, length, dim) -> dict:
     q, k, v = (torch.randn(batch, HEADS, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     flops = 4 * batch * HEADS * length * length * dim / 2
     k_cache, v_cache, tables = paged_copy(k, v)
-    q_packed = q.transpose(1, 2).reshape(batch * length, HEADS, dim).contiguous()
+    q_packed, k_packed, v_packed = packed(q), packed(k), packed(v)
     lens = torch.full((batch,), length, dtype=torch.int32, device="cuda")
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * length
     out = torch.empty_like(q)
     out_packed = torch.empty_like(q_packed)
+    out_new = torch.empty_like(q_packed)
     runs = {
         "kvlab": lambda: flash_attention(q, k, v, validate=False, out=out),
         "kvlab_paged": lambda: paged_prefill(q_packed, k_cache, v_cache, tables, lens, lens, validate=False,
                                              max_query_len=length, cu_query_lens=cu, out=out_packed),
+        "kvlab_paged_new": lambda: paged_prefill(q_packed, k_cache, v_cache, tables, lens, lens, validate=False,
+                                                 k_new=k_packed, v_new=v_packed, max_query_len=length,
+                                                 cu_query_lens=cu, out=out_new),
         "sdpa_flash": lambda: sdpa(q, k, v, SDPBackend.FLASH_ATTENTION),
         "sdpa_cudnn": lambda: sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION),
     }
     if batch * HEADS * length * length * 2 <= 8 << 30:
         runs["naive"] = lambda: naive_attention(q, k, v)
     ref = sdpa(q, k, v, SDPBackend.FLASH_ATTENTION).float()
-    out.fill_(float("nan"))
-    out_packed.fill_(float("nan"))
-    runs["kvlab"]()
-    runs["kvlab_paged"]()
+    for buffer in (out, out_packed, out_new):
+        buffer.fill_(float("nan"))
+    for name in ("kvlab", "kvlab_paged", "kvlab_paged_new"):
+        runs[name]()
+    ref_packed = packed(ref)
     row = {"batch": batch, "seq_len": length, "heads": HEADS, "head_dim": dim,
            "err_kvlab": float((out.float() - ref).abs().max()),
-           "err_paged": float((out_packed.float() - ref.transpose(1, 2).reshape(out_packed.shape)).abs().max())}
-    for name in ("kvlab", "kvlab_paged", "sdpa_flash", "sdpa_cudnn", "naive"):
+           "err_paged": float((out_packed.float() - ref_packed).abs().max()),
+           "err_paged_new": float((out_new.float() - ref_packed).abs().max())}
+    for name in ("kvlab", "kvlab_paged", "kvlab_paged_new", "sdpa_flash", "sdpa_cudnn", "naive"):
         try:
             row[name] = round(flops / bench(runs[name]) / 1e12, 1) if name in runs else None
         except RuntimeError as e:                    # a backend that refuses the shape
@@ -89,6 +107,35 @@ def measure(batch, length, dim) -> dict:
     row["vs_cudnn"] = round(row["kvlab"] / row["sdpa_cudnn"], 3) if row["sdpa_cudnn"] else None
     row["vs_flash"] = round(row["kvlab"] / row["sdpa_flash"], 3)
     row["paged_vs_contiguous"] = round(row["kvlab_paged"] / row["kvlab"], 3)
+    row["paged_new_vs_contiguous"] = round(row["kvlab_paged_new"] / row["kvlab"], 3)
+    return row
+
+
+def measure_extend(batch, prefix, new, dim) -> dict:
+    """``new`` tokens per sequence attending to a cached prefix of ``prefix`` tokens and to themselves."""
+    total = prefix + new
+    q = torch.randn(batch, HEADS, new, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, HEADS, total, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    flops = 4 * batch * HEADS * dim * (new * prefix + new * (new + 1) / 2)
+    k_cache, v_cache, tables = paged_copy(k, v)
+    q_packed = packed(q)
+    k_new, v_new = packed(k[:, :, prefix:]), packed(v[:, :, prefix:])
+    seq_lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
+    query_lens = torch.full((batch,), new, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * new
+    args = (q_packed, k_cache, v_cache, tables, seq_lens, query_lens)
+    hints = dict(validate=False, max_query_len=new, cu_query_lens=cu)
+    runs = {"kvlab": lambda: flash_attention(q, k, v, validate=False),
+            "kvlab_paged": lambda: paged_prefill(*args, **hints),
+            "kvlab_paged_new": lambda: paged_prefill(*args, k_new=k_new, v_new=v_new, **hints)}
+    ref = packed(runs["kvlab"]()).float()
+    row = {"batch": batch, "prefix": prefix, "new": new, "head_dim": dim,
+           "err_paged": float((runs["kvlab_paged"]().float() - ref).abs().max()),
+           "err_paged_new": float((runs["kvlab_paged_new"]().float() - ref).abs().max())}
+    for name, fn in runs.items():
+        row[name] = round(flops / bench(fn) / 1e12, 1)
+    row["paged_vs_contiguous"] = round(row["kvlab_paged"] / row["kvlab"], 3)
+    row["paged_new_vs_contiguous"] = round(row["kvlab_paged_new"] / row["kvlab"], 3)
     return row
 
 
@@ -121,12 +168,19 @@ def main() -> None:
         rows.append(measure(batch, length, dim))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
+    extends = []
+    for shape in EXTENDS:
+        extends.append(measure_extend(*shape))
+        print(extends[-1], flush=True)
+        torch.cuda.empty_cache()
     memory = [peak_memory(n) for n in (1024, 2048, 4096, 8192, 16384)]
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']} (TFLOP/s, causal, bf16, {HEADS} heads)")
-    print_table(rows, ["batch", "seq_len", "head_dim", "kvlab", "kvlab_paged", "sdpa_flash", "sdpa_cudnn", "naive",
-                       "vs_cudnn", "vs_flash", "paged_vs_contiguous", "err_kvlab", "err_paged"])
+    print_table(rows, ["batch", "seq_len", "head_dim", "kvlab", "kvlab_paged", "kvlab_paged_new", "sdpa_flash",
+                       "sdpa_cudnn", "naive", "vs_cudnn", "vs_flash", "paged_vs_contiguous", "paged_new_vs_contiguous",
+                       "err_kvlab", "err_paged", "err_paged_new"])
+    print_table(extends, list(extends[0]))
     print_table(memory, ["seq_len", "kvlab_bytes", "naive_bytes"])
-    save("flash_attention", {"env": env, "rows": rows, "memory": memory}, args.out)
+    save("flash_attention", {"env": env, "rows": rows, "extends": extends, "memory": memory}, args.out)
 
 
 if __name__ == "__main__":

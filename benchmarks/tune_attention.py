@@ -1,11 +1,14 @@
 """Tile-size sweeps of the attention kernels on the GPU: how their launch configs were chosen.
 
-    python benchmarks/tune_attention.py [--out DIR] [--only flash,paged,decode]
+    python benchmarks/tune_attention.py [--out DIR] [--only flash,paged,paged_new,extend,decode]
 
 For each shape of the chapter 5 and 6 targets, every candidate config of the course's kernels
-(``flash_attention``, ``paged_prefill``, ``paged_decode``) is checked against a peer's output (a
-wrong config is reported, never timed) and timed; the peers of the same run (SDPA flash and
-cuDNN) give the ratios. ``tile_config`` and ``paged_decode``'s defaults are the winners.
+(``flash_attention``, ``paged_prefill`` with every key through the block table (``paged``) or
+with the step's own K/V given (``paged_new``), ``paged_decode``) is checked against a peer's
+output (a wrong config is reported, never timed) and timed; the peers of the same run (SDPA
+flash and cuDNN) give the ratios. ``extend`` times both ``paged_prefill`` modes on the
+benchmark's extends (new tokens onto a cached prefix) against ``flash_attention``'s default.
+``tile_config`` and ``paged_decode``'s defaults are the winners.
 (Kernel variants compared along the way, e.g. pointer vs TMA tile loads, are in RESULTS.md.)
 """
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import kvlab  # noqa: E402,F401
-from bench_flash_attention import paged_copy  # noqa: E402
+from bench_flash_attention import EXTENDS, packed, paged_copy  # noqa: E402
 from common import bench, environment, print_table, save  # noqa: E402
 from kvlab.kernels import flash_attention, paged_decode, paged_prefill  # noqa: E402
 
@@ -68,8 +71,7 @@ def tune_flash(parts):
         cudnn = peers.get("sdpa_cudnn", peers["sdpa_flash"])
         kc, vc, tables = paged_copy(k, v)
         seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
-        qp = q.transpose(1, 2).reshape(batch * seq_len, HEADS, dim)
-        ref_p = ref.transpose(1, 2).reshape(batch * seq_len, HEADS, dim)
+        qp, kp, vp, ref_p = packed(q), packed(k), packed(v), packed(ref)
         qlens = seq_lens.clone()
         cu = torch.nn.functional.pad(torch.cumsum(qlens, 0, dtype=torch.int32), (1, 0))
         for bm, bn, w, s in FLASH_CONFIGS:
@@ -81,6 +83,11 @@ def tune_flash(parts):
                 cands["paged"] = (lambda: paged_prefill(qp, kc, vc, tables, seq_lens, qlens, validate=False,
                                                         max_query_len=seq_len, cu_query_lens=cu, block_m=bm, block_n=bn,
                                                         num_warps=w, num_stages=s), ref_p)
+            if "paged_new" in parts:
+                cands["paged_new"] = (lambda: paged_prefill(qp, kc, vc, tables, seq_lens, qlens, validate=False,
+                                                            k_new=kp, v_new=vp, max_query_len=seq_len,
+                                                            cu_query_lens=cu, block_m=bm, block_n=bn,
+                                                            num_warps=w, num_stages=s), ref_p)
             for name, (fn, r) in cands.items():
                 t = try_time(fn, r)
                 row = dict(base, kernel=name, cfg=f"{bm}x{bn} w{w} s{s}")
@@ -88,6 +95,40 @@ def tune_flash(parts):
                     row.update(TFLOPs=round(tflops(batch, seq_len, dim, t), 1), vs_cudnn=round(cudnn / t, 3))
                 else:
                     row.update(TFLOPs=t, vs_cudnn="-")
+                rows.append(row)
+                print(row, flush=True)
+        del q, k, v, kc, vc
+        torch.cuda.empty_cache()
+    return rows
+
+
+def tune_extend():
+    rows = []
+    for batch, prefix, new, dim in EXTENDS:
+        total = prefix + new
+        q = torch.randn(batch, HEADS, new, dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(batch, HEADS, total, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        flops = 4 * batch * HEADS * dim * (new * prefix + new * (new + 1) / 2)
+        kc, vc, tables = paged_copy(k, v)
+        seq_lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
+        qlens = torch.full((batch,), new, dtype=torch.int32, device="cuda")
+        cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * new
+        ref = packed(flash_attention(q, k, v, validate=False))
+        contiguous = flops / bench(lambda: flash_attention(q, k, v, validate=False)) / 1e12
+        base = dict(batch=batch, prefix=prefix, new=new, dim=dim, flash_default=round(contiguous, 1))
+        print(base, flush=True)
+        qp, k_new, v_new = packed(q), packed(k[:, :, prefix:]), packed(v[:, :, prefix:])
+        for bm, bn, w, s in FLASH_CONFIGS:
+            for name, extra in (("paged", {}), ("paged_new", dict(k_new=k_new, v_new=v_new))):
+                fn = (lambda: paged_prefill(qp, kc, vc, tables, seq_lens, qlens, validate=False, max_query_len=new,
+                                            cu_query_lens=cu, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
+                                            **extra))
+                t = try_time(fn, ref)
+                row = dict(base, kernel=name, cfg=f"{bm}x{bn} w{w} s{s}")
+                if isinstance(t, float):
+                    row.update(TFLOPs=round(flops / t / 1e12, 1), vs_flash=round(flops / t / 1e12 / contiguous, 3))
+                else:
+                    row.update(TFLOPs=t, vs_flash="-")
                 rows.append(row)
                 print(row, flush=True)
         del q, k, v, kc, vc
@@ -125,20 +166,22 @@ def tune_decode():
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
-    parser.add_argument("--only", default="flash,paged,decode")
+    parser.add_argument("--only", default="flash,paged,paged_new,extend,decode")
     args = parser.parse_args()
     parts = args.only.split(",")
     result = {"env": environment()}
-    if "flash" in parts or "paged" in parts:
+    if {"flash", "paged", "paged_new"} & set(parts):
         result["flash"] = tune_flash(parts)
+    if "extend" in parts:
+        result["extend"] = tune_extend()
     if "decode" in parts:
         result["decode"] = tune_decode()
-    for key in ("flash", "decode"):
+    for key in ("flash", "extend", "decode"):
         if key in result:
             best = {}
             for r in result[key]:
                 if isinstance(r.get("TFLOPs", r.get("TBps")), float):
-                    k = tuple(r[c] for c in ("batch", "seq_len", "dim", "kernel", "splits") if c in r)
+                    k = tuple(r[c] for c in ("batch", "seq_len", "prefix", "new", "dim", "kernel", "splits") if c in r)
                     score = r.get("TFLOPs", r.get("TBps"))
                     if k not in best or score > best[k].get("TFLOPs", best[k].get("TBps")):
                         best[k] = r
