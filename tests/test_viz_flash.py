@@ -18,6 +18,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from kvlab import profile  # noqa: E402
 from kvlab.kernels.flash_attention import _causal_bounds  # noqa: E402
 from kvlab.viz.flash import (  # noqa: E402
+    BENCH_COLUMNS,
     FULL,
     MASKED,
     SKIPPED,
@@ -25,6 +26,7 @@ from kvlab.viz.flash import (  # noqa: E402
     causal_tile_bounds,
     draw_online_softmax_frame,
     draw_paged_reads,
+    extend_label,
     format_error,
     load_flash_benchmark,
     online_softmax_drawer,
@@ -36,6 +38,7 @@ from kvlab.viz.flash import (  # noqa: E402
     plot_online_softmax_convergence,
     plot_paged_vs_contiguous,
     plot_tile_schedules,
+    shape_label,
     tile_schedule,
     visible_keys,
 )
@@ -270,36 +273,122 @@ def bench_rows():
     rows = []
     for head_dim, seq_len in itertools.product((64, 128), (1024, 4096)):
         rows.append({"batch": 1, "seq_len": seq_len, "heads": 32, "head_dim": head_dim, "kvlab": 100.0,
-                     "kvlab_paged": 80.0, "sdpa_flash": 200.0, "sdpa_cudnn": 300.0,
+                     "kvlab_paged": 80.0, "kvlab_paged_new": 90.0, "sdpa_flash": 200.0, "sdpa_cudnn": 300.0,
                      "naive": 10.0 if seq_len == 1024 else None})
     return {"env": {"gpu": "test GPU", "torch": "0", "triton": "0", "date": "today"}, "rows": rows}
 
 
+def extend_rows():
+    return [{"batch": 8, "prefix": 768, "new": 256, "head_dim": 128, "kvlab": 400.0, "kvlab_paged": 300.0,
+             "kvlab_paged_new": 320.0, "paged_vs_contiguous": 0.75, "paged_new_vs_contiguous": 0.8,
+             "err_paged": 0.0, "err_paged_new": 0.0},
+            {"batch": 4, "prefix": 3072, "new": 1024, "head_dim": 64, "kvlab": 200.0, "kvlab_paged": 170.0,
+             "kvlab_paged_new": 150.0, "paged_vs_contiguous": 0.85, "paged_new_vs_contiguous": 0.75,
+             "err_paged": 0.0, "err_paged_new": 0.0}]
+
+
+def write_json(tmp_path, results):
+    path = tmp_path / "flash_attention.json"
+    path.write_text(json.dumps(results))
+    return path
+
+
 def test_benchmark_json(tmp_path):
     assert load_flash_benchmark(tmp_path / "missing.json") is None
-    path = tmp_path / "flash_attention.json"
-    path.write_text(json.dumps(bench_rows()))
-    results = load_flash_benchmark(path)
+    results = load_flash_benchmark(write_json(tmp_path, bench_rows()))     # no extends: still fine
+    assert "extends" not in results
     assert len(plot_flash_benchmark(results).axes) == 2
-    assert len(plot_paged_vs_contiguous(results).axes) == 2
+    fig = plot_paged_vs_contiguous(results)
+    assert len(fig.axes) == 2
+    ax_abs, ax_ratio = fig.axes
+
+    def curves(ax):                       # the lines drawn over the rows' lengths
+        return sorted(tuple(line.get_ydata()) for line in ax.lines if list(line.get_xdata()) == [1024, 4096])
+
+    # per shape: contiguous and both paged modes in TFLOP/s; both paged modes as a ratio
+    assert curves(ax_abs) == [(80.0, 80.0)] * 2 + [(90.0, 90.0)] * 2 + [(100.0, 100.0)] * 2
+    assert curves(ax_ratio) == [(0.8, 0.8)] * 2 + [(0.9, 0.9)] * 2
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert {BENCH_COLUMNS["kvlab_paged"], BENCH_COLUMNS["kvlab_paged_new"]} <= set(legend)
     ratios = benchmark_ratios(results)
     assert len(ratios) == 4
     assert ratios[0]["cudnn_vs_flash"] == 1.5 and ratios[0]["kvlab_vs_flash"] == 0.5
-    assert ratios[0]["paged_vs_contiguous"] == 0.8
+    assert ratios[0]["paged_vs_contiguous"] == 0.8 and ratios[0]["paged_new_vs_contiguous"] == 0.9
+
+
+def test_benchmark_bars():
+    results = bench_rows()                  # head_dim 64 and 128, each at 1 x 1K and 1 x 4K
+    results["rows"] += [dict(results["rows"][0], batch=2, kvlab=111.0),            # 2 x 1K, head_dim 64
+                        dict(results["rows"][0], batch=8, seq_len=512, kvlab=123.0)]
+    fig = plot_flash_benchmark(results)
+    assert fig.get_size_inches()[0] <= 15
+    assert [ax.get_title() for ax in fig.axes] == ["head_dim 64", "head_dim 128"]      # one panel per head_dim
+    ax64, ax128 = fig.axes
+    assert ax64.get_subplotspec().get_gridspec().get_width_ratios() == [4, 2]         # as wide as its rows
+    # one bar group per shape, by sequence length then batch
+    assert [t.get_text() for t in ax64.get_xticklabels()] == ["8x512", "1x1K", "2x1K", "1x4K"]
+    assert [t.get_text() for t in ax128.get_xticklabels()] == ["1x1K", "1x4K"]
+
+    def bars(ax, group):                     # kernel label -> heights of its bars in bar group `group`
+        return {c.get_label(): [b.get_height() for b in c if round(b.get_x() + b.get_width() / 2) == group]
+                for c in ax.containers}
+
+    row = results["rows"][-2]                # 2 x 1K
+    assert bars(ax64, 2) == {label: [row[column]] for column, label in BENCH_COLUMNS.items()}
+    lefts = [b.get_x() for c in ax64.containers for b in c if round(b.get_x() + b.get_width() / 2) == 2]
+    assert all(a < b for a, b in zip(lefts, lefts[1:]))      # side by side, in BENCH_COLUMNS order
+    assert bars(ax128, 1)[BENCH_COLUMNS["naive"]] == []      # naive is None at 4K: no bar
+    assert bars(ax128, 1)[BENCH_COLUMNS["sdpa_cudnn"]] == [300.0]
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == list(BENCH_COLUMNS.values())
+    assert [shape_label({"batch": 8, "seq_len": n}) for n in (1024, 16384, 512, 1536)] == \
+        ["8x1K", "8x16K", "8x512", "8x1536"]
+
+
+def test_benchmark_json_with_extends(tmp_path):
+    results = load_flash_benchmark(write_json(tmp_path, dict(bench_rows(), extends=extend_rows())))
+    assert extend_label(results["extends"][0]) == "8x(768+256) D128"
+    fig = plot_paged_vs_contiguous(results)
+    assert len(fig.axes) == 3
+    ax_ext = fig.axes[2]
+    assert [t.get_text() for t in ax_ext.get_xticklabels()] == ["8x(768+256) D128", "4x(3072+1024) D64"]
+    # grouped bars: every key through the table, then new K/V given, for each extend
+    every_key, new_given = ax_ext.containers
+    np.testing.assert_allclose([bar.get_height() for bar in every_key], [0.75, 0.85])
+    np.testing.assert_allclose([bar.get_height() for bar in new_given], [0.8, 0.75])
+    assert all(a.get_x() < b.get_x() for a, b in zip(every_key, new_given))
+    assert [t.get_text() for t in ax_ext.get_legend().get_texts()] == [BENCH_COLUMNS["kvlab_paged"],
+                                                                       BENCH_COLUMNS["kvlab_paged_new"]]
 
 
 def test_benchmark_json_with_a_missing_column(tmp_path):
     broken = bench_rows()
     del broken["rows"][1]["sdpa_cudnn"]
-    path = tmp_path / "flash_attention.json"
-    path.write_text(json.dumps(broken))
-    with pytest.raises(ValueError, match="row 1 lacks sdpa_cudnn"):
+    path = write_json(tmp_path, broken)
+    with pytest.raises(ValueError, match=r"rows\[1\] lacks sdpa_cudnn"):
         load_flash_benchmark(path)
+    broken = bench_rows()
+    del broken["rows"][3]["kvlab_paged_new"]
+    with pytest.raises(ValueError, match=r"rows\[3\] lacks kvlab_paged_new"):
+        load_flash_benchmark(write_json(tmp_path, broken))
     path.write_text("[]")
     with pytest.raises(ValueError):
         load_flash_benchmark(path)
     with pytest.raises(TypeError):
         plot_flash_benchmark([])
+
+
+def broken_extends():
+    missing = extend_rows()
+    del missing[1]["kvlab_paged_new"], missing[1]["prefix"]
+    return [({"batch": 8}, r"extends must be a list of rows, got dict"),
+            ([extend_rows()[0], [1, 2]], r"extends\[1\] must be a dict, got list"),
+            (missing, r"extends\[1\] lacks prefix, kvlab_paged_new")]
+
+
+@pytest.mark.parametrize("extends,message", broken_extends())
+def test_benchmark_json_refuses_malformed_extends(tmp_path, extends, message):
+    with pytest.raises(ValueError, match=message):
+        load_flash_benchmark(write_json(tmp_path, dict(bench_rows(), extends=extends)))
 
 
 def test_memory_figure():

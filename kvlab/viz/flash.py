@@ -476,35 +476,62 @@ def draw_paged_reads(reads: PagedReads, title: str | None = None) -> Figure:
 
 
 # -- the GPU benchmark ------------------------------------------------------------------------
-BENCH_COLUMNS = {"kvlab": "kvlab flash_attention", "kvlab_paged": "kvlab paged_prefill",
+BENCH_COLUMNS = {"kvlab": "kvlab flash_attention",
+                 "kvlab_paged": "kvlab paged_prefill, every key through the table",
+                 "kvlab_paged_new": "kvlab paged_prefill, new K/V given (engine)",
                  "sdpa_flash": "SDPA flash (FA2-class)", "sdpa_cudnn": "SDPA cuDNN (FA3-class)",
                  "naive": "naive (scores in memory)"}
-BENCH_STYLES = {"kvlab": ("#2b8a3e", "o-"), "kvlab_paged": ("#2b8a3e", "s--"), "sdpa_flash": ("#1c7ed6", "^-"),
-                "sdpa_cudnn": ("#7048e8", "v-"), "naive": ("#868e96", "x:")}
+BENCH_STYLES = {"kvlab": ("#2b8a3e", "o-"), "kvlab_paged": ("#2b8a3e", "s--"), "kvlab_paged_new": ("#2b8a3e", "d-."),
+                "sdpa_flash": ("#1c7ed6", "^-"), "sdpa_cudnn": ("#7048e8", "v-"), "naive": ("#868e96", "x:")}
+BENCH_HATCHES = {"kvlab_paged": "///", "kvlab_paged_new": "..."}   # bars: the three kvlab kernels share a colour
+PAGED_COLUMNS = ("kvlab_paged", "kvlab_paged_new")     # paged_prefill's two ways of reading keys
+PAGED_COLOURS = {"kvlab_paged": "#868e96", "kvlab_paged_new": "#2b8a3e"}
+GROUP_COLOURS = ROW_COLOURS + ("#8d5524", "#495057")
 _ROW_KEYS = ("batch", "seq_len", "heads", "head_dim")
+_EXTEND_KEYS = ("batch", "prefix", "new", "head_dim", "kvlab") + PAGED_COLUMNS
+
+
+def _check_rows(path, results: dict, name: str, keys) -> None:
+    """``results[name]`` must be a list of dicts, each with every key of ``keys``."""
+    rows = results[name]
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: {name} must be a list of rows, got {type(rows).__name__}")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: {name}[{i}] must be a dict, got {type(row).__name__}")
+        missing = [key for key in keys if key not in row]
+        if missing:
+            raise ValueError(f"{path}: {name}[{i}] lacks {', '.join(missing)}")
 
 
 def load_flash_benchmark(path) -> dict | None:
-    """The JSON the FlashAttention benchmark writes, checked; ``None`` if there is no such file."""
+    """The JSON the FlashAttention benchmark writes, checked; ``None`` if there is no such file.
+
+    ``rows`` need every :data:`BENCH_COLUMNS` column; ``extends`` (new tokens after a cached
+    prefix) is optional.
+    """
     path = Path(path)
     if not path.exists():
         return None
     results = json.loads(path.read_text())
     if not isinstance(results, dict) or not isinstance(results.get("rows"), list) or "env" not in results:
         raise ValueError(f"{path}: expected {{'env': {{...}}, 'rows': [...]}}")
-    for i, row in enumerate(results["rows"]):
-        missing = [key for key in _ROW_KEYS + tuple(BENCH_COLUMNS) if key not in row]
-        if missing:
-            raise ValueError(f"{path}: row {i} lacks {', '.join(missing)}")
+    _check_rows(path, results, "rows", _ROW_KEYS + tuple(BENCH_COLUMNS))
+    if "extends" in results:
+        _check_rows(path, results, "extends", _EXTEND_KEYS)
     return results
+
+
+def _rows(results: dict) -> list[dict]:
+    if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
+        raise TypeError("results must be the dict load_flash_benchmark returns")
+    return results["rows"]
 
 
 def _groups(results: dict) -> dict:
     """Rows grouped by (batch, heads, head_dim), each group sorted by sequence length."""
-    if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
-        raise TypeError("results must be the dict load_flash_benchmark returns")
     groups: dict = {}
-    for row in results["rows"]:
+    for row in _rows(results):
         groups.setdefault((row["batch"], row["heads"], row["head_dim"]), []).append(row)
     return {key: sorted(rows, key=lambda r: r["seq_len"]) for key, rows in sorted(groups.items())}
 
@@ -521,58 +548,103 @@ def _seq_axis(ax, lens) -> None:
     ax.grid(alpha=0.3)
 
 
+def shape_label(row: dict) -> str:
+    """A benchmark row as ``batch x seq_len``, e.g. ``8x1K`` (``K``: 1024)."""
+    n = row["seq_len"]
+    return f"{row['batch']}x{n // 1024}K" if n % 1024 == 0 else f"{row['batch']}x{n}"
+
+
 def plot_flash_benchmark(results: dict) -> Figure:
-    """TFLOP/s against sequence length, one panel per (batch, heads, head_dim), one line per kernel."""
-    groups = _groups(results)
-    if not groups:
+    """TFLOP/s as grouped bars: one panel per head_dim, one group per shape (batch x seq_len),
+    one bar per kernel (none where the kernel was not measured)."""
+    panels: dict = {}                  # head_dim -> rows, by sequence length then batch
+    for row in sorted(_rows(results), key=lambda r: (r["seq_len"], r["batch"])):
+        panels.setdefault(row["head_dim"], []).append(row)
+    if not panels:
         raise ValueError("results has no rows")
-    fig = Figure(figsize=(5.5 * len(groups), 4.0), dpi=100, layout="constrained")
-    axes = fig.subplots(1, len(groups), squeeze=False)[0]
-    for ax, ((batch, heads, head_dim), rows) in zip(axes, groups.items()):
-        lens = [r["seq_len"] for r in rows]
-        for column, label in BENCH_COLUMNS.items():
-            points = [(n, r[column]) for n, r in zip(lens, rows) if r[column] is not None]
-            if points:
-                colour, style = BENCH_STYLES[column]
-                ax.plot(*zip(*points), style, color=colour, label=label)
-        _seq_axis(ax, lens)
-        ax.set(ylabel="TFLOP/s", title=f"batch {batch}, {heads} heads, head_dim {head_dim}")
-        ax.set_ylim(bottom=0)
-        ax.legend(fontsize=8)
+    panels = dict(sorted(panels.items()))
+    fig = Figure(figsize=(13, 4.5), dpi=100, layout="constrained")
+    axes = fig.subplots(1, len(panels), sharey=True, squeeze=False,
+                        width_ratios=[len(rows) for rows in panels.values()])[0]
+    width = 0.85 / len(BENCH_COLUMNS)
+    legend = {}                        # kernel -> its bars, for the one legend below the panels
+    for ax, (head_dim, rows) in zip(axes, panels.items()):
+        for k, column in enumerate(BENCH_COLUMNS):
+            measured = [(i, r[column]) for i, r in enumerate(rows) if r[column] is not None]
+            if measured:
+                x, tflops = zip(*measured)
+                offset = (k - (len(BENCH_COLUMNS) - 1) / 2) * width
+                legend[column] = ax.bar(np.array(x) + offset, tflops, width, color=BENCH_STYLES[column][0],
+                                        hatch=BENCH_HATCHES.get(column), edgecolor="white", linewidth=0.5,
+                                        label=BENCH_COLUMNS[column])
+        ax.set_xticks(range(len(rows)), [shape_label(r) for r in rows])
+        ax.set(title=f"head_dim {head_dim}", xlabel="batch x seq_len")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].set_ylabel("TFLOP/s")
+    fig.legend(handles=[legend[c] for c in BENCH_COLUMNS if c in legend], loc="outside lower center", ncol=3,
+               fontsize=8, frameon=False)
     fig.suptitle(_env_title(results), fontsize=9)
     return fig
+
+
+def extend_label(row: dict) -> str:
+    """An extend row as ``batch x (cached + new) D head_dim``, e.g. ``8x(768+256) D128``."""
+    return f"{row['batch']}x({row['prefix']}+{row['new']}) D{row['head_dim']}"
 
 
 def plot_paged_vs_contiguous(results: dict) -> Figure:
-    """``paged_prefill`` (K/V through a block table) against ``flash_attention`` (contiguous K/V)."""
+    """``paged_prefill`` in its two modes against ``flash_attention`` on contiguous K/V: TFLOP/s and
+    ratio per prefill shape, then (if ``results`` has ``extends``) the ratio per extend shape."""
     groups = _groups(results)
     if not groups:
         raise ValueError("results has no rows")
-    fig = Figure(figsize=(11, 3.8), dpi=100, layout="constrained")
-    ax_abs, ax_ratio = fig.subplots(1, 2)
+    extends = results.get("extends") or []
+    fig = Figure(figsize=(16.5 if extends else 11, 4.8), dpi=100, layout="constrained")
+    ax_abs, ax_ratio, *ax_ext = fig.subplots(1, 3 if extends else 2)
     all_lens = sorted({r["seq_len"] for rows in groups.values() for r in rows})
+    # Line styles stand for the kernels, colours for the shapes: one legend under the figure.
+    handles = [ax_abs.plot([], [], BENCH_STYLES[column][1], color="black", label=BENCH_COLUMNS[column])[0]
+               for column in ("kvlab",) + PAGED_COLUMNS]
     for i, ((batch, heads, head_dim), rows) in enumerate(groups.items()):
-        colour = ROW_COLOURS[i % len(ROW_COLOURS)]
-        label = f"batch {batch}, head_dim {head_dim}"
+        colour = GROUP_COLOURS[i % len(GROUP_COLOURS)]
         lens = [r["seq_len"] for r in rows]
-        ax_abs.plot(lens, [r["kvlab"] for r in rows], "o-", color=colour, label=f"contiguous, {label}")
-        ax_abs.plot(lens, [r["kvlab_paged"] for r in rows], "s--", color=colour, label=f"paged, {label}")
-        ax_ratio.plot(lens, [r["kvlab_paged"] / r["kvlab"] for r in rows], "o-", color=colour, label=label)
+        for column in ("kvlab",) + PAGED_COLUMNS:
+            ax_abs.plot(lens, [r[column] for r in rows], BENCH_STYLES[column][1], color=colour)
+        for column in PAGED_COLUMNS:
+            ax_ratio.plot(lens, [r[column] / r["kvlab"] for r in rows], BENCH_STYLES[column][1], color=colour)
+        handles.append(Patch(color=colour, label=f"batch {batch}, head_dim {head_dim}"))
     for ax in (ax_abs, ax_ratio):
         _seq_axis(ax, all_lens)
-    ax_abs.set(ylabel="TFLOP/s", title="kvlab kernels")
+    ax_abs.set(ylabel="TFLOP/s", title="prefill: kvlab kernels")
     ax_abs.set_ylim(bottom=0)
-    ax_abs.legend(fontsize=7)
     ax_ratio.axhline(1.0, color="black", linewidth=0.8)
-    ax_ratio.set(ylabel="paged / contiguous", title="cost of reading K/V through the block table")
-    ax_ratio.legend(fontsize=7)
+    ax_ratio.set(ylabel="paged / contiguous", title="prefill: the cost of the block table")
+    fig.legend(handles=handles, loc="outside lower center", ncol=5 if extends else 3, fontsize=8, frameon=False)
+    if extends:
+        _plot_extend_ratios(ax_ext[0], extends)
     fig.suptitle(_env_title(results), fontsize=9)
     return fig
+
+
+def _plot_extend_ratios(ax, extends: list[dict]) -> None:
+    """Grouped bars: per extend shape, each paged mode's TFLOP/s over the contiguous kernel's."""
+    x, width = np.arange(len(extends)), 0.4
+    for offset, column in zip((-width / 2, width / 2), PAGED_COLUMNS):
+        bars = ax.bar(x + offset, [r[column] / r["kvlab"] for r in extends], width, color=PAGED_COLOURS[column],
+                      label=BENCH_COLUMNS[column])
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(x, [extend_label(r) for r in extends], fontsize=8, rotation=15)
+    ax.set(ylabel="paged / contiguous", ylim=(0, 1.35), xlabel="batch x (cached + new tokens), head_dim",
+           title="extend: new tokens after a cached prefix")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7, loc="upper center")
 
 
 def benchmark_ratios(results: dict) -> list[dict]:
     """Per row: kvlab / SDPA flash, kvlab / cuDNN, cuDNN / SDPA flash (FA3-class over FA2-class),
-    paged / contiguous."""
+    and paged / contiguous for both modes of ``paged_prefill`` (every key through the table;
+    the new tokens' K/V given)."""
     out = []
     for (batch, heads, head_dim), rows in _groups(results).items():
         for r in rows:
@@ -580,7 +652,8 @@ def benchmark_ratios(results: dict) -> list[dict]:
                         "kvlab_vs_flash": r["kvlab"] / r["sdpa_flash"],
                         "kvlab_vs_cudnn": r["kvlab"] / r["sdpa_cudnn"],
                         "cudnn_vs_flash": r["sdpa_cudnn"] / r["sdpa_flash"],
-                        "paged_vs_contiguous": r["kvlab_paged"] / r["kvlab"]})
+                        "paged_vs_contiguous": r["kvlab_paged"] / r["kvlab"],
+                        "paged_new_vs_contiguous": r["kvlab_paged_new"] / r["kvlab"]})
     return out
 
 
@@ -613,4 +686,5 @@ __all__ = ["FULL", "MASKED", "SKIPPED", "TILE_COLOURS", "OnlineSoftmaxFrame", "o
            "plot_online_softmax_convergence", "causal_tile_bounds", "TileSchedule", "tile_schedule",
            "visible_keys", "draw_tile_schedule", "plot_tile_schedules", "PagedReads", "paged_reads",
            "draw_paged_reads", "load_flash_benchmark", "plot_flash_benchmark", "plot_paged_vs_contiguous",
-           "benchmark_ratios", "plot_attention_memory", "BENCH_COLUMNS"]
+           "shape_label", "extend_label", "benchmark_ratios", "plot_attention_memory", "BENCH_COLUMNS",
+           "PAGED_COLUMNS"]
