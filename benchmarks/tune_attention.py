@@ -55,6 +55,18 @@ def try_time(fn, ref):
         return f"error: {type(e).__name__}: {str(e)[:60]}"
 
 
+def result_row(base, kernel, config, seconds, flops, peer_seconds, ratio_name):
+    """One candidate's row: TFLOP/s and speed relative to a peer's time, or why it has neither."""
+    bm, bn, w, s = config
+    row = dict(base, kernel=kernel, cfg=f"{bm}x{bn} w{w} s{s}")
+    if isinstance(seconds, float):
+        row.update({"TFLOPs": round(flops / seconds / 1e12, 1), ratio_name: round(peer_seconds / seconds, 3)})
+    else:
+        row.update({"TFLOPs": seconds, ratio_name: "-"})
+    print(row, flush=True)
+    return row
+
+
 def tune_flash(parts):
     rows = []
     for batch, seq_len, dim in FLASH_SHAPES:
@@ -69,6 +81,7 @@ def tune_flash(parts):
                     **{n: round(tflops(batch, seq_len, dim, t), 1) for n, t in peers.items()})
         print(base, flush=True)
         cudnn = peers.get("sdpa_cudnn", peers["sdpa_flash"])
+        flops = tflops(batch, seq_len, dim, 1.0) * 1e12
         kc, vc, tables = paged_copy(k, v)
         seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
         qp, kp, vp, ref_p = packed(q), packed(k), packed(v), packed(ref)
@@ -89,14 +102,7 @@ def tune_flash(parts):
                                                             cu_query_lens=cu, block_m=bm, block_n=bn,
                                                             num_warps=w, num_stages=s), ref_p)
             for name, (fn, r) in cands.items():
-                t = try_time(fn, r)
-                row = dict(base, kernel=name, cfg=f"{bm}x{bn} w{w} s{s}")
-                if isinstance(t, float):
-                    row.update(TFLOPs=round(tflops(batch, seq_len, dim, t), 1), vs_cudnn=round(cudnn / t, 3))
-                else:
-                    row.update(TFLOPs=t, vs_cudnn="-")
-                rows.append(row)
-                print(row, flush=True)
+                rows.append(result_row(base, name, (bm, bn, w, s), try_time(fn, r), flops, cudnn, "vs_cudnn"))
         del q, k, v, kc, vc
         torch.cuda.empty_cache()
     return rows
@@ -114,8 +120,8 @@ def tune_extend():
         qlens = torch.full((batch,), new, dtype=torch.int32, device="cuda")
         cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * new
         ref = packed(flash_attention(q, k, v, validate=False))
-        contiguous = flops / bench(lambda: flash_attention(q, k, v, validate=False)) / 1e12
-        base = dict(batch=batch, prefix=prefix, new=new, dim=dim, flash_default=round(contiguous, 1))
+        contiguous = bench(lambda: flash_attention(q, k, v, validate=False))
+        base = dict(batch=batch, prefix=prefix, new=new, dim=dim, flash_default=round(flops / contiguous / 1e12, 1))
         print(base, flush=True)
         qp, k_new, v_new = packed(q), packed(k[:, :, prefix:]), packed(v[:, :, prefix:])
         for bm, bn, w, s in FLASH_CONFIGS:
@@ -123,14 +129,7 @@ def tune_extend():
                 fn = (lambda: paged_prefill(qp, kc, vc, tables, seq_lens, qlens, validate=False, max_query_len=new,
                                             cu_query_lens=cu, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
                                             **extra))
-                t = try_time(fn, ref)
-                row = dict(base, kernel=name, cfg=f"{bm}x{bn} w{w} s{s}")
-                if isinstance(t, float):
-                    row.update(TFLOPs=round(flops / t / 1e12, 1), vs_flash=round(flops / t / 1e12 / contiguous, 3))
-                else:
-                    row.update(TFLOPs=t, vs_flash="-")
-                rows.append(row)
-                print(row, flush=True)
+                rows.append(result_row(base, name, (bm, bn, w, s), try_time(fn, ref), flops, contiguous, "vs_flash"))
         del q, k, v, kc, vc
         torch.cuda.empty_cache()
     return rows
