@@ -1,6 +1,7 @@
 """kvlab.LLM against transformers' generate: decode throughput on a Llama-3-8B-shaped model.
 
     python benchmarks/bench_engine.py [--out DIR] [--layers 32] [--batches 1,32]
+    python benchmarks/bench_engine.py --tiny-only        # the shipped tiny model (CPU or GPU)
 
 One random-initialised Llama-3-8B-shaped model (32 layers, hidden 4096, 32 query / 8 KV heads
 of 128, MLP 14336, vocabulary 128256) in bf16, shared by both engines (kvlab's model holds
@@ -10,8 +11,12 @@ greedy, no early stop.
 * transformers: ``generate(cache_implementation="static", disable_compile=True)`` with SDPA
   attention, eager like kvlab (no automatic torch.compile of the decode step).
   Decode tokens/s = batch * 255 / (time for 256 new tokens - time for 1).
-* kvlab: ``LLM`` with the Triton backend (paged_prefill, paged_decode), eager; driven step by
-  step, its decode rate is batch / the median time of the steps that only decode.
+* kvlab: ``LLM`` with the Triton backend (paged_prefill, paged_decode), with CUDA graphs (the
+  default) and with ``enforce_eager=True``; driven step by step, its decode rate is batch / the
+  median time of the steps that only decode.
+* ``generate`` wall clock: batch * 256 new tokens / the whole call's time, prefill included.
+* the shipped tiny model: ``LLM()`` on 9 short code prompts, 32 new tokens each, greedy,
+  tokens/s of the median of 5 ``generate`` calls (the same workload as on a CPU).
 * the roofline: a decode step must read every weight but the embedding table once, plus
   the batch's K/V; at the measured copy bandwidth that takes ``bytes / bandwidth``.
 """
@@ -85,13 +90,14 @@ def time_hf(hf, prompts: torch.Tensor, new: int) -> float:
     return time.perf_counter() - start
 
 
-def run_kvlab(model, prompts: list[list[int]], new: int) -> tuple[float, list[float]]:
+def run_kvlab(model, prompts: list[list[int]], new: int, eager: bool = False) -> tuple[float, list[float]]:
     """Total seconds and the seconds of each decode-only step of one generate, stepped by hand."""
     from kvlab.engine import LLM, SamplingParams
 
     batch = len(prompts)
     blocks = batch * -(-(PROMPT + NEW) // 16) + batch
-    llm = LLM(model, block_size=16, num_gpu_blocks=blocks, max_num_seqs=batch, max_num_batched_tokens=16384)
+    llm = LLM(model, block_size=16, num_gpu_blocks=blocks, max_num_seqs=batch, max_num_batched_tokens=16384,
+              enforce_eager=eager)
     params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
     for ids in prompts:
         llm.add_request({"prompt_token_ids": ids}, params)
@@ -111,6 +117,30 @@ def run_kvlab(model, prompts: list[list[int]], new: int) -> tuple[float, list[fl
     return total, decode_steps
 
 
+TINY_PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):", "def fib(n):",
+                "with open(path) as f:", "try:\n    import json", "return self.", "if __name__ == '__main__':"]
+
+
+def tiny_model_rate(repeat: int = 5) -> dict:
+    """Tokens/s of the shipped tiny model on this machine's profile (median of ``repeat`` runs)."""
+    from kvlab import LLM, SamplingParams, profile
+
+    llm = LLM()
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    llm.generate(TINY_PROMPTS, params, use_tqdm=False)                  # warm-up
+    times = []
+    for _ in range(repeat):
+        if profile.DEVICE == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        outs = llm.generate(TINY_PROMPTS, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"device": profile.DEVICE, "prompts": len(TINY_PROMPTS), "new_tokens": 32,
+            "tok_s": round(tokens / statistics.median(times), 1), "median_s": round(statistics.median(times), 3),
+            "threads": torch.get_num_threads()}
+
+
 def step_bytes(model_bytes: int, batch: int, context: int, layers: int) -> int:
     kv_per_token = layers * 2 * SHAPE["num_key_value_heads"] * SHAPE["head_dim"] * 2
     return model_bytes + batch * context * kv_per_token
@@ -121,12 +151,18 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--tiny-only", action="store_true", help="only the shipped tiny model (runs on a CPU)")
     args = parser.parse_args()
+    if args.tiny_only:
+        print(tiny_model_rate())
+        return
     env = environment()
     import transformers
 
     env["transformers"] = transformers.__version__
     bandwidth = copy_bandwidth()
+    tiny = tiny_model_rate()
+    print(f"shipped tiny model on the GPU: {tiny}", flush=True)
     hf, model = build_models(args.layers)
     rel_err = check_same_logits(hf, model)
     weight_bytes = sum(p.numel() * p.element_size() for n, p in hf.named_parameters() if "embed_tokens" not in n)
@@ -135,6 +171,7 @@ def main() -> None:
     # warm-up: compile the Triton kernels, settle cuBLAS
     warm = torch.randint(0, SHAPE["vocab_size"], (2, PROMPT), device=DEVICE)
     run_kvlab(model, warm.tolist(), 4)
+    run_kvlab(model, warm.tolist(), 4, eager=True)
     time_hf(hf, warm, 4)
     rows = []
     for batch in (int(b) for b in args.batches.split(",")):
@@ -143,23 +180,32 @@ def main() -> None:
         hf_1, hf_all = time_hf(hf, prompts, 1), time_hf(hf, prompts, NEW)
         hf_decode = batch * (NEW - 1) / (hf_all - hf_1)
         total, steps = run_kvlab(model, prompts.tolist(), NEW)
+        eager_total, eager_steps = run_kvlab(model, prompts.tolist(), NEW, eager=True)
         kvlab_decode = batch / statistics.median(steps)
         roofline = batch / (step_bytes(weight_bytes, batch, PROMPT + NEW // 2, args.layers) / bandwidth)
         rows.append({"batch": batch, "hf_decode_tok_s": round(hf_decode, 1),
                      "kvlab_decode_tok_s": round(kvlab_decode, 1),
+                     "kvlab_eager_decode_tok_s": round(batch / statistics.median(eager_steps), 1),
                      "kvlab_vs_hf": round(kvlab_decode / hf_decode, 2), "roofline_tok_s": round(roofline, 1),
                      "kvlab_of_roofline": round(kvlab_decode / roofline, 2),
                      "hf_of_roofline": round(hf_decode / roofline, 2),
+                     "hf_generate_tok_s": round(batch * NEW / hf_all, 1),
+                     "kvlab_generate_tok_s": round(batch * NEW / total, 1),
+                     "kvlab_eager_generate_tok_s": round(batch * NEW / eager_total, 1),
+                     "generate_vs_hf": round(hf_all / total, 2),
                      "hf_total_s": round(hf_all, 2), "kvlab_total_s": round(total, 2),
                      "kvlab_step_ms_median": round(statistics.median(steps) * 1e3, 2),
+                     "kvlab_eager_step_ms_median": round(statistics.median(eager_steps) * 1e3, 2),
                      "kvlab_step_ms_min": round(min(steps) * 1e3, 2)})
         print(rows[-1], flush=True)
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}")
-    print_table(rows, list(rows[0]))
+    print_table(rows, ["batch", "hf_decode_tok_s", "kvlab_decode_tok_s", "kvlab_eager_decode_tok_s", "roofline_tok_s",
+                       "kvlab_of_roofline", "kvlab_vs_hf", "hf_generate_tok_s", "kvlab_generate_tok_s",
+                       "generate_vs_hf", "kvlab_step_ms_median"])
     save("engine", {"env": env, "layers": args.layers, "prompt": PROMPT, "new_tokens": NEW, "logits_rel_err": rel_err,
-                    "copy_bandwidth_Bps": bandwidth, "weight_bytes_read_per_step": weight_bytes, "rows": rows},
+                    "copy_bandwidth_Bps": bandwidth, "weight_bytes_read_per_step": weight_bytes, "rows": rows,
+                    "tiny_model": tiny},
          args.out)
-
 
 if __name__ == "__main__":
     main()

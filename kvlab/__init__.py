@@ -1,5 +1,8 @@
 """kvlab: build an LLM serving engine's KV cache, chapter by chapter.
 
+>>> from kvlab import LLM, SamplingParams                                     # doctest: +SKIP
+>>> LLM().generate("def add(a, b):", SamplingParams(temperature=0))[0].outputs[0].text  # doctest: +SKIP
+
 Importing kvlab first picks the profile (see :mod:`kvlab.profile`): without a CUDA device
 it sets ``TRITON_INTERPRET=1`` so the course's Triton kernels run on the CPU.
 """
@@ -37,5 +40,14 @@ def doctor(verbose: bool = True) -> bool:
     return _doctor(verbose=verbose)
 
 
-__all__ = ["profile", "KVLabError", "OutOfBlocksError", "SharedBlockWriteError", "UnknownSequenceError", "check", "load_exercise",
+def __getattr__(name: str):
+    """``from kvlab import LLM, SamplingParams`` (vLLM's import), loaded on first use."""
+    if name in ("LLM", "SamplingParams", "EngineConfig"):
+        import kvlab.engine
+
+        return getattr(kvlab.engine, name)
+    raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "EngineConfig", "profile", "KVLabError", "OutOfBlocksError", "SharedBlockWriteError", "UnknownSequenceError", "check", "load_exercise",
            "use_solution", "doctor"]

@@ -87,3 +87,31 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_lens=
         out.append(attention_ref(q[start:start + q_len], k, v, causal=causal, sm_scale=sm_scale, dtype=dtype))
         start += q_len
     return torch.cat(out) if out else q.new_empty(0, *q.shape[1:], dtype=dtype)
+
+
+# -- the decoder's elementwise layers: the model's own PyTorch, line for line -------------
+def rms_norm_ref(x, weight, eps, residual=None):
+    """What :func:`kvlab.kernels.rms_norm` does: the model's ``RMSNorm.forward``; with
+    ``residual``, ``(rms_norm_ref(x + residual), x + residual)``."""
+    if residual is not None:
+        x = x + residual
+    xf = x.float()
+    out = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return out if residual is None else (out, x)
+
+
+def silu_and_mul_ref(x):
+    """What :func:`kvlab.kernels.silu_and_mul` does: ``F.silu(gate) * up`` of ``x = [gate | up]``."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary_write_kv_ref(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping) -> None:
+    """What :func:`kvlab.kernels.rotary_write_kv` does, in place like it: ``q`` and ``k`` rotated
+    as the model's ``apply_rope`` rotates them, then :func:`write_kv_ref` of the rotated ``k``."""
+    c, s = cos[positions].unsqueeze(-2), sin[positions].unsqueeze(-2)   # [T, 1, D]: every head
+    for x in (q, k):
+        xf = x.float()
+        x1, x2 = xf.chunk(2, dim=-1)
+        x.copy_((xf * c + torch.cat((-x2, x1), dim=-1) * s).to(x.dtype))
+    write_kv_ref(k, v, k_cache, v_cache, slot_mapping)

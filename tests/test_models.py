@@ -19,8 +19,7 @@ from kvlab.models import (
     load_model,
     register_attention_backend,
     save_model,
-    set_attention_backend,
-    use_attention_backend,
+    step_phase,
 )
 from kvlab.paging import BlockPool, allocate_kv_cache
 
@@ -180,17 +179,17 @@ def test_generate_is_greedy_and_stops_at_eos():
 
 # -- the paged path ---------------------------------------------------------------------------
 def make_cache(config, num_blocks=48, block_size=4, dtype=torch.float32):
-    """A cache on the profile's device (the paged path runs the Triton write_kv kernel)."""
+    """A cache on the profile's device (on a GPU the paged path runs the fused Triton kernels)."""
     return allocate_kv_cache(config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim,
                              dtype=dtype, device=profile.DEVICE)
 
 
-def run_step(model, cache, pool, seqs, requests):
+def run_step(model, cache, pool, seqs, requests, backend="reference"):
     """One engine step: the tokens of ``requests`` [(seq, start, n)], packed, through the cache.
     The model moves to the cache's device."""
     device = cache.k.device
     model.to(device)
-    ctx = AttentionContext.from_pool(cache, pool, requests)
+    ctx = AttentionContext.from_pool(cache, pool, requests, backend=backend)
     ids = torch.tensor([t for s, start, n in requests for t in seqs[s][start:start + n]], device=device)
     pos = torch.cat([torch.arange(start, start + n) for _, start, n in requests]).to(device)
     with torch.no_grad():
@@ -247,6 +246,7 @@ def test_chunked_prefill_matches_the_full_forward():
 
 
 def test_attention_backends_are_swappable():
+    """A backend is chosen per step (the context carries it), by name or as a function."""
     calls = []
 
     def counting(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale):
@@ -257,18 +257,57 @@ def test_attention_backends_are_swappable():
                                    sm_scale=sm_scale).to(q.dtype)
 
     register_attention_backend("counting", counting)
-    assert "counting" in attention_backends() and get_attention_backend() == "reference"
+    assert {"reference", "torch", "triton", "counting"} <= set(attention_backends())
     model = tiny_model()
     pool, cache = BlockPool(num_blocks=8, block_size=4), make_cache(model.config, num_blocks=8)
     pool.allocate(0, 3)
-    with use_attention_backend("counting"):
-        run_step(model, cache, pool, {0: [1, 2, 3]}, [(0, 0, 3)])
+    by_name = run_step(model, cache, pool, {0: [1, 2, 3]}, [(0, 0, 3)], backend="counting")
     assert len(calls) == model.config.num_layers and calls[0] == (3, 4, 16)
-    assert get_attention_backend() == "reference"
+    as_function = run_step(model, cache, pool, {0: [1, 2, 3]}, [(0, 0, 3)], backend=counting)
+    assert len(calls) == 2 * model.config.num_layers
+    torch.testing.assert_close(by_name, as_function, rtol=0, atol=0)
     with pytest.raises(ValueError, match="unknown attention backend"):
-        set_attention_backend("nope")
+        get_attention_backend("nope")
     with pytest.raises(TypeError):
         register_attention_backend("bad", 42)
+    with pytest.raises(TypeError, match="registered name or a function"):
+        get_attention_backend(42)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_backends_agree_with_the_reference(backend):
+    """The batched PyTorch backend and the Triton kernels (interpreted on the CPU) give the
+    reference's hidden states, for a ragged prefill and then a decode step."""
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(5)
+    seqs = {s: torch.randint(0, 300, (n,), generator=gen).tolist() for s, n in [("a", 6), ("b", 3)]}
+    results = {}
+    for name in ("reference", backend):
+        pool, cache = BlockPool(num_blocks=16, block_size=4), make_cache(model.config, num_blocks=16)
+        cache.k.fill_(float("nan"))           # slots no step wrote must never reach an output
+        cache.v.fill_(float("nan"))
+        for s, ids in seqs.items():
+            pool.allocate(s, len(ids) - 1)
+        prefill = run_step(model, cache, pool, seqs, [(s, 0, len(ids) - 1) for s, ids in seqs.items()], name)
+        for s in seqs:
+            pool.append(s, 1)
+        decode = run_step(model, cache, pool, seqs, [(s, len(ids) - 1, 1) for s, ids in seqs.items()], name)
+        results[name] = (prefill, decode)
+    for ours, ref in zip(results[backend], results["reference"]):
+        torch.testing.assert_close(ours, ref, atol=TOL, rtol=0)
+
+
+def test_a_step_names_its_phase():
+    assert step_phase([1, 1, 1]) == "decode"
+    assert step_phase([4, 4]) == "uniform"           # speculative verification of k + 1 = 4 tokens
+    assert step_phase([7]) == "uniform"
+    assert step_phase([1, 5]) == "mixed"
+    model = tiny_model()
+    pool, cache = BlockPool(num_blocks=8, block_size=4), make_cache(model.config, num_blocks=8)
+    pool.allocate(0, 5)
+    pool.allocate(1, 1)
+    assert AttentionContext.from_pool(cache, pool, [(0, 0, 5), (1, 0, 1)]).phase == "mixed"
+    assert AttentionContext.from_pool(cache, pool, [(0, 4, 1), (1, 0, 1)]).phase == "decode"
 
 
 def test_backends_get_the_hints_their_signature_names():
@@ -279,22 +318,21 @@ def test_backends_get_the_hints_their_signature_names():
     seen = {}
 
     def wants_new_keys(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, k_new=None,
-                       max_query_len=None):
+                       max_query_len=None, phase=None):
         seen.setdefault("k_new", k_new)
         seen.setdefault("k_cached", gather_kv(k_cache, block_tables[0], int(seq_lens[0])))
         seen.setdefault("max_query_len", max_query_len)
+        seen.setdefault("phase", phase)
         return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_lens,
                                    sm_scale=sm_scale).to(q.dtype)
 
-    register_attention_backend("wants-new-keys", wants_new_keys)
     model = tiny_model()
     pool, cache = BlockPool(num_blocks=8, block_size=4), make_cache(model.config, num_blocks=8)
     pool.allocate(0, 6)
-    with use_attention_backend("wants-new-keys"):
-        run_step(model, cache, pool, {0: [5, 6, 7, 8, 9, 10]}, [(0, 0, 6)])
+    run_step(model, cache, pool, {0: [5, 6, 7, 8, 9, 10]}, [(0, 0, 6)], backend=wants_new_keys)
     assert seen["k_new"].shape == (6, model.config.num_kv_heads, model.config.head_dim)
     torch.testing.assert_close(seen["k_new"], seen["k_cached"], rtol=0, atol=0)
-    assert seen["max_query_len"] is None      # AttentionContext.from_pool computes no hints
+    assert seen["max_query_len"] == 6 and seen["phase"] == "uniform"
 
 
 def test_a_context_needs_flat_tokens():
@@ -398,3 +436,27 @@ def test_missing_folders_and_files_are_clear_errors(tmp_path, checkpoint):
     (checkpoint / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(checkpoint)
+
+
+def test_the_fused_kernels_give_the_pytorch_forward(monkeypatch):
+    """The model's GPU path (merged projections; RMSNorm + residual, SiLU-and-mul and RoPE + K/V
+    write as Triton kernels, interpreted here) gives the plain PyTorch forward's hidden states
+    and the same cache contents."""
+    from kvlab.models import ops
+
+    model = tiny_model()
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 300, (9,), generator=gen).tolist()
+    results = []
+    for fused in (False, True):
+        if fused:
+            model.fuse()
+            monkeypatch.setattr(ops, "use_kernels", lambda x: True)
+        pool, cache = BlockPool(num_blocks=8, block_size=4), make_cache(model.config, num_blocks=8)
+        cache.k.fill_(float("nan"))
+        cache.v.fill_(float("nan"))
+        pool.allocate(0, 9)
+        hidden = run_step(model, cache, pool, {0: ids}, [(0, 0, 9)])
+        results.append((hidden, cache.k.clone(), cache.v.clone()))
+    for plain, fused in zip(*results):
+        torch.testing.assert_close(fused, plain, atol=1e-5, rtol=0, equal_nan=True)

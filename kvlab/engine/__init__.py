@@ -8,13 +8,16 @@
 One concept per module: :mod:`~kvlab.engine.sampling_params` (what a request asks for),
 :mod:`~kvlab.engine.sequence` (one sample's tokens and state), :mod:`~kvlab.engine.scheduler`
 (continuous batching, preemption, forking), :mod:`~kvlab.engine.sampler` (logits to tokens),
-:mod:`~kvlab.engine.model_runner` (the model, the paged KV cache, one step) and
-:mod:`~kvlab.engine.llm` (the front door).
+:mod:`~kvlab.engine.model_runner` (the model, the paged KV cache, one step),
+:mod:`~kvlab.engine.cuda_graphs` (decode steps replayed as CUDA graphs),
+:mod:`~kvlab.engine.config` (every setting, checked once) and :mod:`~kvlab.engine.llm` (the
+front door).
 """
+from kvlab.engine.config import EngineConfig
 from kvlab.engine.llm import LLM, CompletionOutput, RequestOutput
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SequenceStatus
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Scheduler", "SchedulerOutput",
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Scheduler", "SchedulerOutput",
            "Sequence", "SequenceStatus"]

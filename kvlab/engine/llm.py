@@ -1,15 +1,17 @@
 """LLM: the engine's front door, shaped like vLLM's offline API.
 
->>> from kvlab.engine import LLM, SamplingParams
+>>> from kvlab import LLM, SamplingParams
 >>> llm = LLM()                                   # the course's tiny model   # doctest: +SKIP
 >>> outs = llm.generate(["def add(a, b):", "import"], SamplingParams(temperature=0, max_tokens=20))  # doctest: +SKIP
 >>> outs[0].outputs[0].text                                                                         # doctest: +SKIP
 
 Under the hood, one :meth:`LLM.step` is one round of continuous batching::
 
-    scheduler.schedule()      which sequences run, how many tokens each (blocks booked in the pool)
-    model_runner.execute()    copy-on-write copies, one packed forward over the paged cache, sampling
-    scheduler.update()        append the tokens, fork parallel samples, retire finished sequences
+    scheduler.schedule()          which sequences run, how many tokens each (blocks booked in the pool)
+    model_runner.compute_logits() copy-on-write copies, one packed forward over the paged cache
+                                  (a CUDA graph replay for decode steps on a GPU)
+    sampler                       one token per sequence, on the device; one copy to the host
+    scheduler.update()            append the tokens, fork parallel samples, retire finished sequences
     stop strings              checked on the detokenised text (the tokenizer lives here)
 
 :meth:`LLM.generate` queues every prompt and steps until they are all done. A request the
@@ -27,7 +29,9 @@ from pathlib import Path
 import torch
 
 from kvlab import profile
+from kvlab.engine.config import EngineConfig
 from kvlab.engine.model_runner import ModelRunner
+from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence
@@ -87,37 +91,57 @@ class LLM:
 
     ``model``: a checkpoint folder (HF format: config.json, safetensors, tokenizer.json), or
     an already built :class:`~kvlab.models.LlamaForCausalLM` (then pass its ``tokenizer``);
-    default: the course's tiny model. ``block_size``: tokens per KV block.
-    ``num_gpu_blocks``: the cache's size in blocks (default: sized by
-    :class:`~kvlab.engine.model_runner.ModelRunner` from ``gpu_memory_utilization`` on a
-    GPU, from ``max_num_seqs`` x ``max_model_len`` on the CPU). ``max_num_seqs`` and
-    ``max_num_batched_tokens`` bound each step. ``seed`` seeds the samples of requests whose
-    SamplingParams give no seed. ``attention_backend``: a name registered with
-    :func:`kvlab.models.register_attention_backend`; ``"auto"`` takes the Triton kernels on a
-    GPU once they are registered as ``"triton"``, and otherwise whichever backend is active
-    (the PyTorch reference by default); None: always whichever is active.
+    default: the course's tiny model. Every other keyword is a setting of
+    :class:`~kvlab.engine.config.EngineConfig` (vLLM's names: ``block_size``,
+    ``num_gpu_blocks``, ``gpu_memory_utilization``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching``,
+    ``enforce_eager``, ``dtype``, ``device``, ``seed``, ``attention_backend``).
+
+    On a GPU the engine captures CUDA graphs of decode steps at start-up (a progress bar
+    shows it); ``enforce_eager=True`` runs every step eagerly instead.
+
+    Plug-in points for your own pieces: ``attention_backend`` (a registered name or a function
+    with the backend's signature, :mod:`kvlab.models.backends`); ``llm.pool`` (replace it,
+    before any request, with a :class:`~kvlab.paging.BlockPool`-compatible pool of
+    ``llm.model_runner.num_blocks`` blocks: ``llm.use_pool(pool)``); ``llm.sampler`` (a function
+    with :func:`kvlab.engine.sampler.sample`'s signature).
     """
 
-    def __init__(self, model=None, tokenizer=None, *, block_size: int = 16, gpu_memory_utilization: float = 0.9,
-                 num_gpu_blocks: int | None = None, enable_prefix_caching: bool = False, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None, dtype=None,
-                 device=None, seed: int | None = 0, attention_backend: str | None = "auto"):
-        self.model, self.tokenizer = _load(model, tokenizer, dtype, device or profile.DEVICE)
+    def __init__(self, model=None, tokenizer=None, **settings):
+        unknown = set(settings) - {f for f in EngineConfig.__dataclass_fields__}
+        if unknown:
+            raise TypeError(f"LLM got unknown settings {sorted(unknown)}; known: "
+                            f"{', '.join(EngineConfig.__dataclass_fields__)}")
+        config = EngineConfig(**settings)
+        self.model, self.tokenizer = _load(model, tokenizer, config.dtype, config.device or profile.DEVICE)
         self.config = self.model.config
-        self.max_model_len = _context_length(self.config, max_model_len)
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(2048, self.max_model_len, max_num_seqs)
-        self.model_runner = ModelRunner(self.model, block_size, num_gpu_blocks, gpu_memory_utilization,
-                                        max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                        attention_backend)
-        self.pool = BlockPool(self.model_runner.num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, max_num_seqs, max_num_batched_tokens, self.max_model_len,
-                                   self.config.eos_token_ids)
+        self.engine_config = config.resolve(self.config.max_position_embeddings)
+        self.max_model_len = config.max_model_len
+        self.model_runner = ModelRunner(
+            self.model, block_size=config.block_size, num_gpu_blocks=config.num_gpu_blocks,
+            gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+            attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
+            cudagraph_batch_sizes=config.cudagraph_batch_sizes())
+        self.sampler = sample
+        self.use_pool(BlockPool(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching))
         self.requests: dict[str, Request] = {}
         self.last_schedule = None               # the SchedulerOutput of the latest step
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
-        self._seeds = random.Random(seed)
+        self._seeds = random.Random(config.seed)
+
+    def use_pool(self, pool) -> None:
+        """Serve from ``pool`` (a :class:`~kvlab.paging.BlockPool` or one with its interface)."""
+        if getattr(self, "requests", None):
+            raise RuntimeError("the pool can only be replaced while no request is queued or running")
+        if pool.num_blocks != self.model_runner.num_blocks or pool.block_size != self.engine_config.block_size:
+            raise ValueError(f"the pool must have the cache's {self.model_runner.num_blocks} blocks of "
+                             f"{self.engine_config.block_size} tokens, got {pool.num_blocks} of {pool.block_size}")
+        c = self.engine_config
+        self.pool = pool
+        self.scheduler = Scheduler(pool, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
+                                   self.config.eos_token_ids)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -176,8 +200,11 @@ class LLM:
         self.last_schedule = out
         ended = list(out.finished)
         if out.scheduled:
-            sampled = self.model_runner.execute(out, self.pool)
-            ended += self.scheduler.update(out, sampled.token_ids.tolist(), sampled.logprobs.tolist())
+            logits = self.model_runner.compute_logits(out)
+            params = [s.params for s in out.sample_seqs]
+            sampled = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
+                                   [p.top_p for p in params], [s.generator for s in out.sample_seqs])
+            ended += self.scheduler.update(out, *sampled.tolist())
             ended += self._check_stop_strings(out.sample_seqs)
         elif not ended and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not run anything: no request fits (a bug)")
@@ -303,16 +330,6 @@ def _load(model, tokenizer, dtype, device):
         model = DEFAULT_MODEL
     loaded, loaded_tokenizer, _ = load_model(model, dtype=dtype, device=device, require_tokenizer=False)
     return loaded, tokenizer if tokenizer is not None else loaded_tokenizer
-
-
-def _context_length(config, max_model_len: int | None) -> int:
-    limit = config.max_position_embeddings
-    if max_model_len is None:
-        return limit
-    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not 1 < max_model_len <= limit:
-        raise ValueError(f"max_model_len must be an int in 2..{limit} (the model's max_position_embeddings), "
-                         f"got {max_model_len!r}")
-    return max_model_len
 
 
 def _is_token_list(x) -> bool:

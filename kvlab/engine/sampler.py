@@ -31,6 +31,11 @@ class SamplerOutput:
     token_ids: torch.Tensor   # [batch] int64
     logprobs: torch.Tensor    # [batch] float32: log p(token) under the raw logits
 
+    def tolist(self) -> tuple[list[int], list[float]]:
+        """The tokens and their log-probabilities on the host: one copy from the device."""
+        both = torch.stack((self.token_ids.double(), self.logprobs.double())).tolist()
+        return [int(t) for t in both[0]], both[1]
+
 
 def _per_row(value, batch: int, dtype, device) -> torch.Tensor:
     t = torch.as_tensor(value, dtype=dtype, device=device)
@@ -80,14 +85,17 @@ def sample(logits: torch.Tensor, temperature, top_k=0, top_p=1.0, generators=Non
 
     ``temperature``, ``top_k``, ``top_p``: a number for every row or one per row.
     ``generators``: None (torch's global RNG) or one ``torch.Generator`` (or None) per row.
+    Which rows are greedy is decided from ``temperature`` on the host (the engine passes a list),
+    so an all-greedy batch is an argmax and nothing is read back from the device.
     """
     logits = logits.float()
     batch = logits.shape[0]
-    t = _per_row(temperature, batch, torch.float32, logits.device)
+    temps = temperature.tolist() if isinstance(temperature, torch.Tensor) else temperature
+    temps = [float(temps)] * batch if isinstance(temps, (int, float)) else [float(x) for x in temps]
     token_ids = logits.argmax(dim=-1)
-    rows = (t >= GREEDY_TEMPERATURE).nonzero().flatten().tolist()
+    rows = [i for i, t in enumerate(temps) if t >= GREEDY_TEMPERATURE]
     if rows:
-        probs = sampling_probs(logits[rows], t[rows], _pick(top_k, rows), _pick(top_p, rows))
+        probs = sampling_probs(logits[rows], [temps[i] for i in rows], _pick(top_k, rows), _pick(top_p, rows))
         token_ids[rows] = _draw(probs, [generators[i] for i in rows] if generators is not None else None)
     logprobs = logits.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1)
     return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

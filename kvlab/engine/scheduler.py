@@ -18,9 +18,10 @@ A prefill and decodes share one step, packed together (as in vLLM's current engi
 request (``n > 1``) off its first sample once the prompt is computed, so they share its
 blocks (:meth:`BlockPool.fork`), and retires finished sequences, freeing their blocks.
 
-The scheduler only books blocks: the copy-on-write pairs the pool records while it plans a
-step travel in :attr:`SchedulerOutput.blocks_to_copy`, for the model runner to copy before
-the forward pass.
+The scheduler only books blocks. What the model runner needs from the pool travels in the
+:class:`SchedulerOutput`: each scheduled sequence's block table, and the copy-on-write pairs
+the pool recorded while the step was planned (:attr:`SchedulerOutput.blocks_to_copy`), to be
+copied before the forward pass. The runner never sees the pool.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 from kvlab.errors import OutOfBlocksError
 from kvlab.engine.sequence import Sequence, SequenceStatus
-from kvlab.paging.block_pool import BlockPool, blocks_needed, check_count
+from kvlab.paging.block_pool import BlockPool, blocks_needed, check_count, slot_mapping
 
 
 @dataclass
@@ -41,6 +42,12 @@ class ScheduledSequence:
     num_new: int
     is_prefill: bool = False   # admitted this step (a prompt, or prompt + output after preemption)
     forks: list[Sequence] = field(default_factory=list)  # samples to fork off it after this step
+    block_table: list[int] = field(default_factory=list)  # its blocks once the step is booked
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens of the sequence in the cache after this step."""
+        return self.start + self.num_new
 
 
 @dataclass
@@ -51,6 +58,12 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)   # failed while scheduling
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    block_size: int = 16
+
+    def slot_mapping(self) -> list[int]:
+        """The cache slot of every new token of the step, in packed order."""
+        return [slot for s in self.scheduled
+                for slot in slot_mapping(s.block_table, s.start, s.num_new, self.block_size)]
 
     @property
     def num_batched_tokens(self) -> int:
@@ -110,11 +123,13 @@ class Scheduler:
         """Plan the next step: book its blocks and say what runs (see the module docstring)."""
         if self._unrecorded is not None:
             raise RuntimeError("the previous step has not been recorded: call update() with its tokens first")
-        out = SchedulerOutput()
+        out = SchedulerOutput(block_size=self.pool.block_size)
         budget = self._schedule_running(out)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.pool.take_copies()
+        for item in out.scheduled:
+            item.block_table = self.pool.block_table(item.seq.seq_id)
         self.num_steps += 1
         self.num_copied_blocks += len(out.blocks_to_copy)
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)

@@ -23,26 +23,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlab.models.attention import Attention, AttentionContext
+from kvlab.models import ops
+from kvlab.models.attention import Attention
 from kvlab.models.config import ModelConfig
+from kvlab.models.context import AttentionContext
+from kvlab.models.rope import RotaryEmbedding, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
 
 
 class RMSNorm(nn.Module):
-    """``x / rms(x) * weight``, the statistics taken in float32."""
+    """``x / rms(x) * weight``, the statistics taken in float32.
+
+    Called with a ``residual`` it adds it first and returns ``(normed, x + residual)``: the
+    decoder carries its residual stream that way, so the add costs no kernel of its own."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; :meth:`fuse` merges gate and up into one product."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -50,118 +54,47 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up = None              # (weight, bias) of the merged projection, once fused
+
+    def fuse(self) -> None:
+        if self.gate_up is None:
+            self.gate_up = ops.fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """Rotation frequency of each pair of dims, ``[head_dim // 2]`` float32, and the factor
-    that scales cos and sin (1 except for YaRN), with the config's ``rope_scaling`` applied."""
-    dim, base = config.head_dim, config.rope_theta
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
-    inv_freq = 1.0 / (base ** exponents)
-    scaling = config.rope_scaling
-    kind = scaling["rope_type"] if scaling else None
-    if kind is None or kind == "dynamic":
-        # dynamic NTK only changes frequencies past max_position_embeddings, which we refuse.
-        return inv_freq, 1.0
-    factor = scaling["factor"]
-    if kind == "linear":
-        # positions / factor, i.e. frequencies / factor
-        return inv_freq / factor, 1.0
-    if kind == "llama3":
-        # keep high frequencies, divide low ones by factor, blend in between
-        old_len = scaling["original_max_position_embeddings"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, blended, scaled), 1.0
-    if kind == "yarn":
-        return _yarn_inv_freq(inv_freq, dim, base, scaling)
-    raise ValueError(f"unsupported rope_scaling {scaling!r}")
-
-
-def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, s: dict) -> tuple[torch.Tensor, float]:
-    """YaRN: interpolate the slow dims, keep the fast ones, ramp between; scale attention."""
-    factor, old_len = s["factor"], s["original_max_position_embeddings"]
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = s.get("attention_factor")
-    if attention_factor is None:
-        if s.get("mscale") and s.get("mscale_all_dim"):
-            attention_factor = mscale(factor, s["mscale"]) / mscale(factor, s["mscale_all_dim"])
-        else:
-            attention_factor = mscale(factor)
-
-    def dim_for(rotations):  # the dim whose wavelength fits `rotations` times in old_len
-        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = dim_for(s["beta_fast"]), dim_for(s["beta_slow"])
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
-    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention_factor)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin of every position up to ``max_position_embeddings``, looked up by position.
-
-    The tables stay float32 whatever dtype the model is cast to (they are not buffers);
-    a copy is made per device on first use.
-    """
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        inv_freq, scale = rope_inv_freq(config)
-        # explicit device: the model may be built under a meta-device context (the loader does)
-        t = torch.arange(config.max_position_embeddings, dtype=torch.float32, device="cpu")
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.max_positions = config.max_position_embeddings
-        self._tables = {torch.device("cpu"): (emb.cos() * scale, emb.sin() * scale)}
-
-    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        device = torch.device(device)
-        if device not in self._tables:
-            cos, sin = self._tables[torch.device("cpu")]
-            self._tables[device] = (cos.to(device), sin.to(device))
-        return self._tables[device]
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.tables(positions.device)
-        return cos[positions], sin[positions]
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_and_mul(F.linear(x, *self.gate_up)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int):
+    """RMSNorm -> attention -> RMSNorm -> MLP, each sub-block's output added to the residual
+    stream. The stream travels beside the hidden states (``x, residual``) and each add happens
+    inside the next norm (:class:`RMSNorm` with a residual)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = Attention(config, layer_idx, rotary)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, ctx=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, ctx=None):
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
     """The decoder stack without the output head (HF's ``model.`` prefix)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -171,9 +104,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
+        self.model = LlamaModel(config, self.rotary)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -188,23 +121,32 @@ class LlamaForCausalLM(nn.Module):
         ``positions`` gives each token's position in its own sequence (same shape as
         ``input_ids``). With ``ctx`` the tokens are one engine step, flat ``[T]``; their K/V
         are written to the paged cache and attention reads it. Without, they are one causal
-        sequence (or a batch of them, ``[B, T]``).
+        sequence (or a batch of them, ``[B, T]``). With a context nothing is read back to the
+        host (the engine checked the positions), so a step can be captured as a CUDA graph.
         """
         if input_ids.shape != positions.shape:
             raise ValueError(f"input_ids {list(input_ids.shape)} and positions {list(positions.shape)} "
                              f"must have the same shape")
         if ctx is not None and input_ids.dim() != 1:
             raise ValueError("with an AttentionContext, input_ids must be flat packed tokens [T]")
-        if positions.numel() and not torch.compiler.is_compiling():
+        if ctx is None and positions.numel() and not torch.compiler.is_compiling():
             top = int(positions.max())
             if top >= self.rotary.max_positions:
                 raise ValueError(f"position {top} is beyond max_position_embeddings "
                                  f"({self.rotary.max_positions})")
-        cos, sin = self.rotary(positions)
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, ctx)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def fuse(self) -> "LlamaForCausalLM":
+        """Merge q/k/v and gate/up into one projection each (for inference: call it last,
+        once the model has its device and dtype). The checkpoint's names still work."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        return self
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden] -> [..., vocab]``."""

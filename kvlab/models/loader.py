@@ -141,7 +141,9 @@ def save_model(model: LlamaForCausalLM, tokenizer, config: ModelConfig | None, p
     for name, t in model.state_dict().items():
         if config.tie_word_embeddings and name == "lm_head.weight":
             continue  # one tensor in memory; HF leaves the tied copy out of the file too
-        tensors[name] = t.detach().to(device="cpu", dtype=dtype).contiguous()
+        t = t.detach().to(device="cpu", dtype=dtype)
+        # a fused model's q/k/v weights are views into one tensor: safetensors wants each alone
+        tensors[name] = t.clone() if t.untyped_storage().nbytes() > t.nbytes else t.contiguous()
     with open(path / CONFIG_FILE, "w") as f:
         json.dump(config.to_hf(torch_dtype=dtype_name(dtype)), f, indent=2)
         f.write("\n")

@@ -1,0 +1,81 @@
+"""EngineConfig: every setting of the engine, checked once, in one place.
+
+:class:`~kvlab.engine.LLM` builds one from its keyword arguments (vLLM's names) and hands plain
+values from it to the parts it builds: the block pool (``num_blocks``, ``block_size``, prefix
+caching), the scheduler (the step's limits) and the model runner (the cache's size, CUDA
+graphs, the attention backend). None of them reads the config object itself.
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, fields
+
+from kvlab.paging.block_pool import check_count
+
+#: Batch sizes a decode step is padded up to, each replayed from its own CUDA graph (as vLLM).
+CUDAGRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 513, 8))
+
+
+@dataclass
+class EngineConfig:
+    """The engine's settings (vLLM's names). ``None`` means "decide from the model and the device".
+
+    ``block_size``: tokens per KV block. ``num_gpu_blocks``: the cache's size in blocks (default:
+    what ``gpu_memory_utilization`` of the GPU leaves once weights, activations and CUDA graphs
+    are paid for; on the CPU, ``max_num_seqs`` sequences of ``max_model_len``).
+    ``max_num_seqs``, ``max_num_batched_tokens``: the limits of one step. ``max_model_len``:
+    the longest sequence (default: the model's context). ``enable_prefix_caching``: reuse
+    cached blocks of identical prefixes. ``enforce_eager``: never use CUDA graphs.
+    ``attention_backend``: ``"auto"`` (the Triton kernels on a GPU, the PyTorch reference on
+    the CPU), a registered name, or a function (:mod:`kvlab.models.backends`).
+    ``dtype``, ``device``: where and how the model runs. ``seed``: the seed of requests whose
+    SamplingParams give none.
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = False
+    enforce_eager: bool = False
+    attention_backend: object = "auto"
+    dtype: object = None
+    device: object = None
+    seed: int | None = 0
+
+    def __post_init__(self):
+        check_count("block_size", self.block_size, minimum=1)
+        check_count("max_num_seqs", self.max_num_seqs, minimum=1)
+        for name in ("num_gpu_blocks", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) is not None:
+                check_count(name, getattr(self, name), minimum=1)
+        for name in ("enable_prefix_caching", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, numbers.Real) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+        if self.seed is not None:
+            check_count("seed", self.seed)
+
+    def resolve(self, context_length: int) -> "EngineConfig":
+        """Fill in what depends on the model: ``max_model_len`` (checked against the model's
+        ``context_length``) and ``max_num_batched_tokens``."""
+        if self.max_model_len is None:
+            self.max_model_len = context_length
+        elif not 1 < self.max_model_len <= context_length:
+            raise ValueError(f"max_model_len must be an int in 2..{context_length} (the model's "
+                             f"max_position_embeddings), got {self.max_model_len!r}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(2048, self.max_model_len, self.max_num_seqs)
+        return self
+
+    def cudagraph_batch_sizes(self) -> list[int]:
+        """The decode batch sizes captured as CUDA graphs: the buckets up to ``max_num_seqs``."""
+        sizes = [b for b in CUDAGRAPH_BATCH_SIZES if b < self.max_num_seqs]
+        return sizes + [self.max_num_seqs] if self.max_num_seqs <= CUDAGRAPH_BATCH_SIZES[-1] else sizes
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,141 @@
+"""Paged-attention backends: where an engine step meets the course's attention kernels.
+
+A backend is a function ``fn(q, k_cache, v_cache, block_tables, seq_lens, query_lens,
+sm_scale)`` that returns the attention of a step's packed queries ``q [num_tokens,
+num_heads, head_dim]`` to their sequences' paged K/V (one layer's caches, ``[num_blocks,
+block_size, num_kv_heads, head_dim]``, already holding the step's new tokens). Two come with
+the course:
+
+* ``"reference"``: :func:`kvlab.reference.paged_attention_ref`, gather then attend, one
+  sequence at a time, in PyTorch: the obvious version, which tests compare against;
+* ``"torch"``: the same in one batch (every sequence's keys gathered into one padded tensor,
+  one masked ``scaled_dot_product_attention``): the CPU profile's engine runs this;
+* ``"triton"``: the course's kernels. A **decode** step (one query per sequence) goes to
+  :func:`~kvlab.kernels.paged_decode` (FlashDecoding, chapter 6); every other step (prompts,
+  chunks, speculative verification) to :func:`~kvlab.kernels.paged_prefill` (chapter 5).
+
+A learner's own backend plugs in by name (:func:`register_attention_backend`) or as the
+function itself: ``LLM(attention_backend=my_fn)``. Keyword parameters of the function named
+like one of :data:`HINTS` receive what the engine knows about the step up front (so a kernel
+needs no read back to the host): the step's phase, the longest sequence and query, the
+queries' offsets, the split count a CUDA graph fixed, and the new tokens' K/V.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kvlab.reference import paged_attention_ref
+
+# What a backend can receive beyond the seven positional arguments, each only if its signature
+# names it (see AttentionContext for their meaning).
+HINTS = ("phase", "max_seq_len", "max_query_len", "cu_query_lens", "num_splits", "k_new", "v_new")
+
+
+def reference_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale):
+    out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_lens, causal=True,
+                              sm_scale=sm_scale, dtype=torch.float32)
+    return out.to(q.dtype)
+
+
+def torch_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, max_seq_len=None,
+                  max_query_len=None, cu_query_lens=None):
+    """Gather-then-attend for the whole batch at once (padded to the longest sequence)."""
+    batch, (num_blocks, block_size, num_kv_heads, head_dim) = seq_lens.shape[0], k_cache.shape
+    max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    max_query_len = int(query_lens.max()) if max_query_len is None else max_query_len
+    if cu_query_lens is None:
+        cu_query_lens = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0))
+    pages = block_tables[:, :-(-max_seq_len // block_size)].long()
+    k = k_cache[pages].reshape(batch, -1, num_kv_heads, head_dim).transpose(1, 2)     # [B, KV, L, D]
+    v = v_cache[pages].reshape(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+    # Query i of sequence b is packed row cu[b] + i (rows past its query_len are padding).
+    i = torch.arange(max_query_len, device=q.device)
+    rows = (cu_query_lens[:-1, None] + i).clamp(max=q.shape[0] - 1)
+    real = i < query_lens[:, None]                                                   # [B, Qmax]
+    qp = q[rows].transpose(1, 2)                                                     # [B, H, Qmax, D]
+    # Slots past a sequence's end may hold anything, NaN included, and a masked key's zero
+    # weight times a NaN value is still NaN: zero them.
+    j = torch.arange(k.shape[2], device=q.device)
+    exists = (j[None, :] < seq_lens[:, None])[:, None, :, None]                      # [B, 1, L, 1]
+    k, v = k.where(exists, 0.0), v.where(exists, 0.0)
+    # Bottom-right causal: query i of b sees keys 0 .. seq_len - query_len + i.
+    last_key = (seq_lens - query_lens)[:, None] + i                                  # [B, Qmax]
+    mask = j[None, None, :] <= last_key[:, :, None]
+    out = torch.nn.functional.scaled_dot_product_attention(qp.float(), k.float(), v.float(), attn_mask=mask[:, None],
+                                                           scale=sm_scale, enable_gqa=True)
+    return out.transpose(1, 2)[real].to(q.dtype)                                     # [num_tokens, H, D]
+
+
+def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, phase="mixed",
+                   max_seq_len=None, max_query_len=None, cu_query_lens=None, num_splits=None, k_new=None,
+                   v_new=None):
+    """The course's kernels; the engine built the arguments, so they are not checked again."""
+    from kvlab.kernels import paged_decode, paged_prefill   # here: kvlab.models loads without Triton
+
+    if phase == "decode":
+        return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits, sm_scale,
+                            max_seq_len=max_seq_len, validate=False)
+    return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, k_new=k_new,
+                         v_new=v_new, max_query_len=max_query_len, cu_query_lens=cu_query_lens, validate=False)
+
+
+_REGISTRY: dict[str, Callable] = {"reference": reference_backend, "torch": torch_backend,
+                                  "triton": triton_backend}
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """A backend function, and which of the :data:`HINTS` its signature takes."""
+
+    name: str
+    fn: Callable
+    hints: frozenset
+
+    def __call__(self, q, k_cache, v_cache, sm_scale, ctx, **extra) -> torch.Tensor:
+        """Attend through ``ctx`` (an :class:`~kvlab.models.context.AttentionContext`);
+        ``extra`` holds the layer's own hints (``k_new``, ``v_new``)."""
+        known = dict(ctx.hints(), **extra)
+        taken = {name: known[name] for name in self.hints if name in known}
+        return self.fn(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_lens, sm_scale, **taken)
+
+
+def register_attention_backend(name: str, fn: Callable) -> None:
+    """Make ``fn(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale)`` selectable
+    by ``name``. ``q`` is ``[num_tokens, num_heads, head_dim]``, the caches one layer's
+    ``[num_blocks, block_size, num_kv_heads, head_dim]``; it returns ``q``'s shape and dtype.
+    Keyword parameters named like the :data:`HINTS` receive them."""
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"a backend's name must be a non-empty str, got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"an attention backend must be callable, got {type(fn).__name__}")
+    _REGISTRY[name] = fn
+
+
+def attention_backends() -> list[str]:
+    """The registered backends' names."""
+    return list(_REGISTRY)
+
+
+def get_attention_backend(backend="reference") -> AttentionBackend:
+    """An :class:`AttentionBackend` from a registered name or a function with the signature."""
+    if isinstance(backend, AttentionBackend):
+        return backend
+    if isinstance(backend, str):
+        if backend not in _REGISTRY:
+            raise ValueError(f"unknown attention backend {backend!r}; registered: {', '.join(_REGISTRY)}")
+        return AttentionBackend(backend, _REGISTRY[backend], _hints_taken(_REGISTRY[backend]))
+    if callable(backend):
+        return AttentionBackend(getattr(backend, "__name__", "custom"), backend, _hints_taken(backend))
+    raise TypeError(f"attention_backend must be a registered name or a function, got {type(backend).__name__}")
+
+
+def _hints_taken(fn) -> frozenset:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(name for name in HINTS if name in params)

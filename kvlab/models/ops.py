@@ -1,0 +1,106 @@
+"""The decoder's small ops, each in two implementations: PyTorch and a fused Triton kernel.
+
+A decode step is short: at batch 1 an 8B model's layer moves ~450 MB of weights in ~0.1 ms.
+Written as plain PyTorch, RMSNorm, RoPE and SiLU-times-up are several kernels each, and a step
+launches over a thousand kernels whose launch gaps cost more than their work. On a GPU the
+engine therefore runs each as **one** kernel of the course's (:mod:`kvlab.kernels`):
+
+==========================  ================================================  =====================
+op                          PyTorch (the reference; CPU, training)            fused kernel (GPU)
+==========================  ================================================  =====================
+:func:`rms_norm`            ``x + residual``, then RMSNorm                    ``rms_norm``
+:func:`silu_and_mul`        ``silu(gate) * up``                               ``silu_and_mul``
+:func:`rope_and_write_kv`   RoPE on q and k, then K/V into the paged cache    ``rotary_write_kv``
+==========================  ================================================  =====================
+
+The kernels have no backward pass, so they run only where no gradient is wanted (the engine
+runs under ``torch.inference_mode``). In the CPU profile the PyTorch versions run: Triton's
+interpreter would be far slower.
+
+:func:`fuse_linears` merges projections that read the same input (q/k/v; gate/up) into one
+matrix product.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvlab.models.rope import apply_rope
+
+
+def use_kernels(x: torch.Tensor) -> bool:
+    """Whether the fused Triton kernels run for ``x``: on a GPU, with no gradient wanted."""
+    return x.is_cuda and not torch.is_grad_enabled()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """``weight * x / rms(x)`` (statistics in float32). With ``residual``: ``s = x + residual``
+    first, and ``(rms_norm(s), s)`` is returned, the residual stream carried to the next layer."""
+    if use_kernels(x):
+        from kvlab.kernels import rms_norm as rms_norm_kernel
+
+        shape = x.shape          # the kernel takes rows: [tokens, hidden]
+        flat = lambda t: t.reshape(-1, shape[-1])  # noqa: E731
+        if residual is None:
+            return rms_norm_kernel(flat(x), weight, eps, validate=False).view(shape)
+        out, residual = rms_norm_kernel(flat(x), weight, eps, flat(residual), validate=False)
+        return out.view(shape), residual.view(shape)
+    if residual is not None:
+        x = x + residual
+        return rms_norm(x, weight, eps), x
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` from the two halves of one merged gate/up projection."""
+    if use_kernels(gate_up):
+        from kvlab.kernels import silu_and_mul as silu_and_mul_kernel
+
+        out = silu_and_mul_kernel(gate_up.reshape(-1, gate_up.shape[-1]), validate=False)
+        return out.view(*gate_up.shape[:-1], out.shape[-1])
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up
+
+
+def rope_and_write_kv(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
+    """Rotate ``q`` and ``k`` by their tokens' positions, write ``k`` and ``v`` to the cache
+    slots ``slot_mapping`` (-1: write nothing); returns the rotated ``(q, k)``."""
+    if use_kernels(q):
+        from kvlab.kernels import rotary_write_kv
+
+        cos, sin = rotary.tables(q.device)
+        rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, validate=False)
+        return q, k          # rotated in place
+    cos, sin = rotary(positions)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    if k_cache.is_cuda:      # gradients wanted on a GPU: the plain write kernel
+        from kvlab.kernels import write_kv
+
+        write_kv(k, v.contiguous(), k_cache, v_cache, slot_mapping, validate=False)
+    else:
+        keep = slot_mapping >= 0
+        k_cache.view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = k[keep]
+        v_cache.view(-1, *v_cache.shape[2:])[slot_mapping[keep]] = v[keep]
+    return q, k
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input, stacked by rows.
+
+    Each original layer's weight becomes a view into the merged one, so no memory is doubled
+    and the checkpoint's names (``q_proj.weight`` ...) still address the same numbers."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+    if any(b is not None for b in biases) and bias is None:
+        raise ValueError("fuse_linears needs all the layers with a bias, or none")
+    row = 0
+    for lin in linears:
+        rows = lin.out_features
+        lin.weight = nn.Parameter(weight[row:row + rows], requires_grad=False)
+        if bias is not None:
+            lin.bias = nn.Parameter(bias[row:row + rows], requires_grad=False)
+        row += rows
+    return weight, bias
