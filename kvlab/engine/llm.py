@@ -30,6 +30,7 @@ import torch
 
 from kvlab import profile
 from kvlab.engine.config import EngineConfig
+from kvlab.engine.detokenizer import detokenize
 from kvlab.engine.model_runner import ModelRunner
 from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
@@ -280,8 +281,9 @@ class LLM:
         return self.model_runner.new_generator(seed % 2**63)
 
     # -- text ----------------------------------------------------------------------------------
-    def _decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+    def _decode(self, seq: Sequence) -> str:
+        """``seq``'s output as text, decoding only what is new since the last call."""
+        return detokenize(self.tokenizer, seq.output_token_ids, seq.text_state)
 
     def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
         """Finish the sequences whose text now contains one of their stop strings."""
@@ -289,14 +291,14 @@ class LLM:
         for seq in seqs:
             if seq.is_finished or not seq.params.stop_strings:
                 continue
-            hit = _first_stop(self._decode(seq.output_token_ids), seq.params.stop_strings)
+            hit = _first_stop(self._decode(seq), seq.params.stop_strings)
             if hit is not None:
                 self.scheduler.finish_sequence(seq, "stop", stop_reason=hit[1])
                 stopped.append(seq)
         return stopped
 
     def _text(self, seq: Sequence) -> str:
-        text = self._decode(seq.output_token_ids)
+        text = self._decode(seq)
         if isinstance(seq.stop_reason, str):
             hit = _first_stop(text, seq.params.stop_strings)
             if hit is not None:

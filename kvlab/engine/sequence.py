@@ -20,6 +20,7 @@ import enum
 
 import torch
 
+from kvlab.engine.detokenizer import TextState
 from kvlab.engine.sampling_params import SamplingParams
 
 
@@ -50,6 +51,7 @@ class Sequence:
         self.finish_reason: str | None = None    # "stop", "length" or "error"
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None
+        self.text_state = TextState()             # its output as text, decoded step by step
 
     # -- tokens ---------------------------------------------------------------------------
     @property
