@@ -117,6 +117,47 @@ def run_kvlab(model, prompts: list[list[int]], new: int, eager: bool = False) ->
     return total, decode_steps
 
 
+def decode_breakdown(model, batch: int, context: int) -> dict:
+    """Where a graph-replayed decode step's time goes: the replay alone (GPU time: every layer's
+    kernels, K/V of ``context`` tokens per sequence read, nothing written), the matrix products
+    alone (the same shapes through cuBLAS, and through cuBLASLt), and their weight bandwidth."""
+    import torch.nn.functional as F
+
+    from common import bench
+    from kvlab.engine import LLM
+
+    blocks_per_seq = -(-context // 16)
+    llm = LLM(model, block_size=16, num_gpu_blocks=batch * blocks_per_seq + 1, max_num_seqs=batch,
+              max_num_batched_tokens=16384)
+    graphs = llm.model_runner.graphs
+    graphs.seq_lens[:batch] = context
+    graphs.block_tables[:batch, :blocks_per_seq] = torch.randperm(batch * blocks_per_seq, device=DEVICE).view(
+        batch, -1).int()
+    graphs.slot_mapping[:batch] = -1
+    graph, _ = graphs.graphs[graphs.bucket(batch)]
+    replay = bench(graph.replay)
+    layer = model.model.layers[0]
+    weights = [layer.self_attn.qkv[0], layer.self_attn.o_proj.weight, layer.mlp.gate_up[0], layer.mlp.down_proj.weight]
+    x = {w.shape[1]: torch.randn(batch, w.shape[1], device=DEVICE, dtype=w.dtype) for w in weights}
+    x[model.lm_head.weight.shape[1]] = torch.randn(batch, model.lm_head.weight.shape[1], device=DEVICE,
+                                                   dtype=model.lm_head.weight.dtype)
+    row = {"batch": batch, "context": context, "replay_ms": round(replay * 1e3, 3)}
+    for library in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(library)
+        per_layer = [bench(lambda w=w: F.linear(x[w.shape[1]], w)) for w in weights]
+        head = bench(lambda: F.linear(x[model.lm_head.weight.shape[1]], model.lm_head.weight))
+        total = sum(per_layer) * len(model.model.layers) + head
+        nbytes = sum(w.numel() * w.element_size() for w in weights) * len(model.model.layers) \
+            + model.lm_head.weight.numel() * 2
+        row[f"{library}_gemms_ms"] = round(total * 1e3, 3)
+        row[f"{library}_gemm_TBps"] = round(nbytes / total / 1e12, 2)
+        row[f"{library}_per_layer_us"] = [round(t * 1e6, 1) for t in per_layer]
+    torch.backends.cuda.preferred_blas_library("cublas")
+    del llm
+    torch.cuda.empty_cache()
+    return row
+
+
 TINY_PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range(10):", "def fib(n):",
                 "with open(path) as f:", "try:\n    import json", "return self.", "if __name__ == '__main__':"]
 
@@ -198,13 +239,16 @@ def main() -> None:
                      "kvlab_eager_step_ms_median": round(statistics.median(eager_steps) * 1e3, 2),
                      "kvlab_step_ms_min": round(min(steps) * 1e3, 2)})
         print(rows[-1], flush=True)
+    breakdown = [decode_breakdown(model, r["batch"], PROMPT + NEW // 2) for r in rows]
+    for b in breakdown:
+        print("decode step breakdown:", b, flush=True)
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, transformers {env['transformers']}")
     print_table(rows, ["batch", "hf_decode_tok_s", "kvlab_decode_tok_s", "kvlab_eager_decode_tok_s", "roofline_tok_s",
                        "kvlab_of_roofline", "kvlab_vs_hf", "hf_generate_tok_s", "kvlab_generate_tok_s",
                        "generate_vs_hf", "kvlab_step_ms_median"])
     save("engine", {"env": env, "layers": args.layers, "prompt": PROMPT, "new_tokens": NEW, "logits_rel_err": rel_err,
                     "copy_bandwidth_Bps": bandwidth, "weight_bytes_read_per_step": weight_bytes, "rows": rows,
-                    "tiny_model": tiny},
+                    "tiny_model": tiny, "decode_breakdown": breakdown},
          args.out)
 
 if __name__ == "__main__":

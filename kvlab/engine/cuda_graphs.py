@@ -6,7 +6,8 @@ CUDA graph records the whole forward once and replays it with a single call. Wha
 cannot change is the graph's shapes and addresses, so (as vLLM and nano-vllm do):
 
 * inputs live in **persistent buffers** (token ids, positions, slots, block tables, lengths):
-  a step copies its own values into them before the replay;
+  a step writes its own values into a pinned host twin of them and copies it over in two
+  transfers (one per dtype), before the replay;
 * the batch is padded up to a **bucket** (1, 2, 4, 8, 16, 24, ...), one graph per bucket;
   padding rows write to no slot (slot -1) and their outputs are ignored;
 * the kernels' grids depend on nothing the step changes: ``paged_decode``'s split count is
@@ -37,13 +38,19 @@ class CudaGraphs:
         self.max_model_len = max_model_len
         device = kv_cache.k.device
         batch, tokens = self.batch_sizes[-1], self.batch_sizes[-1] * query_len
-        max_blocks = -(-max_model_len // kv_cache.block_size)
-        zeros = lambda *shape, dtype=torch.int32: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        self.input_ids = zeros(tokens, dtype=torch.long)
-        self.positions = zeros(tokens, dtype=torch.long)
-        self.slot_mapping = zeros(tokens, dtype=torch.long)
-        self.block_tables = zeros(batch, max_blocks)
-        self.seq_lens = zeros(batch)
+        self.max_blocks = -(-max_model_len // kv_cache.block_size)
+        # Two flat buffers, on the device and pinned on the host, each tensor a view of one:
+        # int64 [ids | positions | slots] and int32 [seq_lens | block_tables], so a step's
+        # inputs cross over in two copies. The int32 one is copied up to its bucket's table rows.
+        pin = device.type == "cuda"
+        self.host64 = torch.zeros(3 * tokens, dtype=torch.long, pin_memory=pin)
+        self.host32 = torch.zeros(batch + batch * self.max_blocks, dtype=torch.int32, pin_memory=pin)
+        self.host64[2 * tokens:] = -1         # until a step says otherwise, every row is padding:
+        self.host32[:batch] = query_len       # no slot written, q keys read from block 0
+        self.dev64, self.dev32 = self.host64.to(device), self.host32.to(device)
+        self.input_ids, self.positions, self.slot_mapping = self.dev64.view(3, tokens)
+        self.seq_lens = self.dev32[:batch]
+        self.block_tables = self.dev32[batch:].view(batch, self.max_blocks)
         self.query_lens = torch.full((batch,), query_len, dtype=torch.int32, device=device)
         self.cu_query_lens = torch.arange(0, tokens + 1, query_len, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -73,7 +80,6 @@ class CudaGraphs:
         """Record one graph per bucket, largest first, all in one memory pool."""
         from tqdm.auto import tqdm
 
-        self._pad(0, self.batch_sizes[-1])        # capture-time inputs write nowhere
         pool = torch.cuda.graph_pool_handle()
         sizes = sorted(self.batch_sizes, reverse=True)
         for batch in tqdm(sizes, desc=f"Capturing CUDA graphs (q={self.query_len})", disable=not progress,
@@ -99,24 +105,19 @@ class CudaGraphs:
         logits of the step's tokens (a view of the graph's output: use it before the next run)."""
         batch = len(seq_lens)
         bucket = self.bucket(batch)
-        tokens = batch * self.query_len
-        self.input_ids[:tokens].copy_(torch.tensor(input_ids), non_blocking=True)
-        self.positions[:tokens].copy_(torch.tensor(positions), non_blocking=True)
-        self.slot_mapping[:tokens].copy_(torch.tensor(slot_mapping), non_blocking=True)
-        self.seq_lens[:batch].copy_(torch.tensor(seq_lens, dtype=torch.int32), non_blocking=True)
-        width = max(len(t) for t in block_tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32)
-        self.block_tables[:batch, :width].copy_(table, non_blocking=True)
-        self._pad(batch, bucket)
+        q, width = self.query_len, self.batch_sizes[-1] * self.query_len
+        ids64, lens32 = self.host64.numpy(), self.host32.numpy()
+        tables = lens32[self.batch_sizes[-1]:].reshape(-1, self.max_blocks)
+        for row, values in enumerate((input_ids, positions, slot_mapping)):
+            ids64[row * width:row * width + batch * q] = values
+            ids64[row * width + batch * q:row * width + bucket * q] = -1 if row == 2 else 0   # padding
+        lens32[:batch] = seq_lens
+        lens32[batch:bucket] = q          # padding rows: q keys of block 0 (tables[row, 0] is valid)
+        for row, table in enumerate(block_tables):
+            tables[row, :len(table)] = table
+        self.dev64.copy_(self.host64, non_blocking=True)
+        used = self.batch_sizes[-1] + bucket * self.max_blocks
+        self.dev32[:used].copy_(self.host32[:used], non_blocking=True)
         graph, logits = self.graphs[bucket]
         graph.replay()
-        return logits[:tokens]
-
-    def _pad(self, start: int, end: int) -> None:
-        """Rows ``start .. end - 1`` become padding: no cache write, a harmless short read."""
-        if end > start:
-            q = self.query_len
-            self.slot_mapping[start * q:end * q] = -1
-            self.input_ids[start * q:end * q] = 0
-            self.positions[start * q:end * q] = 0
-            self.seq_lens[start:end] = q
+        return logits[:batch * q]

@@ -120,7 +120,8 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(num_tokens, device=self.device))
+        positions = torch.arange(num_tokens, device=self.device) % self.max_model_len
+        hidden = self.model(ids, positions)
         self.model.compute_logits(hidden if all_logits else hidden[-min(num_tokens, 256):]).float()
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
