@@ -21,6 +21,7 @@ the rest of the batch runs.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence
 from kvlab.paging.block_pool import BlockPool, blocks_needed
+from kvlab.paging.prefix_hash import check_salt
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "weights" / "kvlab-tiny-target"
 
@@ -80,6 +82,8 @@ class Request:
     params: SamplingParams
     seqs: list[Sequence] = field(default_factory=list)
     error: str | None = None
+    cache_salt: str | bytes | None = None     # the tenant: prefixes are shared only within one salt
+    exception: Exception | None = None        # why it could not be served (add_request raises it)
 
     @property
     def finished(self) -> bool:
@@ -128,6 +132,7 @@ class LLM:
         self.use_pool(BlockPool(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching))
         self.requests: dict[str, Request] = {}
         self.last_schedule = None               # the SchedulerOutput of the latest step
+        self._held_outputs: list[RequestOutput] = []   # other callers' outputs seen by generate()
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -159,8 +164,12 @@ class LLM:
         """Complete every prompt; one :class:`RequestOutput` per prompt, in order.
 
         ``prompts``: a string, or a list of strings, token-id lists, or dicts with a
-        ``"prompt"`` or ``"prompt_token_ids"`` key; or pass ``prompt_token_ids`` (one list
+        ``"prompt"`` or ``"prompt_token_ids"`` key (and optionally a ``"cache_salt"``: requests
+        of different salts never share a cached block); or pass ``prompt_token_ids`` (one list
         of ids or a list of them). ``sampling_params``: one for all, or one per prompt.
+
+        Requests queued earlier with :meth:`add_request` run alongside; their outputs are not
+        returned here but by the next :meth:`step`.
         """
         items = _prompt_items(prompts, prompt_token_ids)
         params = _params_per_prompt(sampling_params, len(items))
@@ -170,9 +179,12 @@ class LLM:
             if not r.error:
                 self._enqueue(r)
         bar = _progress_bar(len(requests) - len(results), use_tqdm)
+        mine = {r.request_id for r in requests}
         while len(results) < len(requests):
-            for output in self.step():
-                if output.finished and output.request_id not in results:
+            for output in self._step():
+                if output.request_id not in mine:
+                    self._held_outputs.append(output)      # another caller's: step() returns it
+                elif output.finished and output.request_id not in results:
                     results[output.request_id] = output
                     bar.update(1)
         bar.close()
@@ -183,9 +195,22 @@ class LLM:
         Raises ValueError if the request cannot be served."""
         request = self._build_request(_prompt_item(prompt), sampling_params or SamplingParams(), request_id)
         if request.error:
-            raise ValueError(request.error)
+            raise request.exception
         self._enqueue(request)
         return request.request_id
+
+    def abort_request(self, request_id) -> bool:
+        """Stop a request now and free its blocks (vLLM's name); False if no such request runs.
+        ``request_id`` may also be a list of ids: True if any was aborted."""
+        if isinstance(request_id, (list, tuple, set)):
+            return any([self.abort_request(rid) for rid in request_id])
+        request = self.requests.pop(str(request_id), None)
+        if request is None:
+            return False
+        for seq in request.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish_sequence(seq, "abort")
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -196,17 +221,27 @@ class LLM:
 
     # -- one step of the engine --------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run and sample one step; returns the outputs of the requests it advanced."""
+        """Schedule, run and sample one step; returns the outputs of the requests it advanced
+        (and of those that finished while :meth:`generate` served other prompts)."""
+        held, self._held_outputs = self._held_outputs, []
+        return held + self._step()
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         self.last_schedule = out
         ended = list(out.finished)
         if out.scheduled:
-            logits = self.model_runner.compute_logits(out)
-            params = [s.params for s in out.sample_seqs]
-            sampled = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
-                                   [p.top_p for p in params], [s.generator for s in out.sample_seqs])
-            ended += self.scheduler.update(out, *sampled.tolist())
-            ended += self._check_stop_strings(out.sample_seqs)
+            try:
+                logits = self.model_runner.compute_logits(out)
+                params = [s.params for s in out.sample_seqs]
+                sampled = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
+                                       [p.top_p for p in params], [s.generator for s in out.sample_seqs])
+                tokens, logprobs = sampled.tolist()
+            except Exception as e:       # noqa: BLE001  (a failed step ends its requests, not the engine)
+                ended += self.scheduler.abandon(out, f"the step failed: {type(e).__name__}: {e}")
+            else:
+                ended += self.scheduler.update(out, tokens, logprobs)
+                ended += self._check_stop_strings(out.sample_seqs)
         elif not ended and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not run anything: no request fits (a bug)")
         touched = dict.fromkeys(s.request_id for s in [*out.sample_seqs, *ended])
@@ -219,28 +254,36 @@ class LLM:
     # -- requests ----------------------------------------------------------------------------
     def _build_request(self, item, params, request_id: str | None = None) -> Request:
         """A Request from one prompt item, with ``error`` set if it cannot be served."""
-        request_id = str(next(self._request_ids)) if request_id is None else str(request_id)
-        request = Request(request_id, None, None, params)
+        if request_id is None:                     # an automatic id never takes one in use
+            request_id = str(next(self._request_ids))
+            while request_id in self.requests:
+                request_id = str(next(self._request_ids))
+        request = Request(str(request_id), None, None, params)
         try:
-            if request_id in self.requests:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            request.prompt, request.prompt_token_ids = self._tokenize(item)
+            if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+                raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+            if request.request_id in self.requests:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            request.prompt, request.prompt_token_ids, request.cache_salt = self._tokenize(item)
             if not isinstance(params, SamplingParams):
-                raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-            params.validate()
-            self._check_prompt(request.prompt_token_ids, params)
-        except ValueError as e:
-            request.error = str(e)
+                raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+            # a copy, checked now: changing the caller's object later changes nothing here
+            request.params = copy.deepcopy(params).validate()
+            self._check_prompt(request.prompt_token_ids, request.params)
+        except (ValueError, TypeError) as e:
+            request.error, request.exception = str(e), e
         return request
 
-    def _tokenize(self, item) -> tuple[str | None, list[int]]:
-        kind, value = item
+    def _tokenize(self, item) -> tuple[str | None, list[int], str | bytes | None]:
+        """``(prompt text, token ids, cache salt)`` of one prompt item."""
+        kind, value, salt = item
+        check_salt(salt)
         if kind == "text":
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
-            return value, list(self.tokenizer.encode(value).ids)
+            return value, list(self.tokenizer.encode(value).ids), salt
         if kind == "ids":
-            return None, list(value)
+            return None, list(value), salt
         raise ValueError(f"a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
                          f"'prompt_token_ids', got {value!r}")
 
@@ -270,6 +313,8 @@ class LLM:
         request.seqs = [Sequence(next(self._seq_ids), request.request_id, request.prompt_token_ids, p, index=i,
                                  generator=self._generator(p, i)) for i in range(p.n)]
         request.seqs[0].forks = request.seqs[1:]
+        for seq in request.seqs:
+            seq.cache_salt = request.cache_salt
         self.requests[request.request_id] = request
         self.scheduler.add(request.seqs[0])
 
@@ -339,14 +384,20 @@ def _is_token_list(x) -> bool:
 
 
 def _prompt_item(p):
-    """One prompt as ``("text", str)``, ``("ids", list)`` or ``("bad", p)``."""
+    """One prompt as ``(kind, value, cache_salt)``: ``("text", str, salt)``, ``("ids", list, salt)``
+    or ``("bad", p, None)``."""
+    kind, value = _prompt_kind(p)
+    return kind, value, p.get("cache_salt") if isinstance(p, dict) else None
+
+
+def _prompt_kind(p):
     if isinstance(p, str):
         return ("text", p)
     if isinstance(p, dict):
         if "prompt_token_ids" in p:
-            return _prompt_item(list(p["prompt_token_ids"])) if _is_token_list(p["prompt_token_ids"]) else ("bad", p)
+            return _prompt_kind(list(p["prompt_token_ids"])) if _is_token_list(p["prompt_token_ids"]) else ("bad", p)
         if "prompt" in p:
-            return _prompt_item(p["prompt"])
+            return _prompt_kind(p["prompt"])
     if isinstance(p, (list, tuple)) and all(not isinstance(t, (list, tuple, str, dict)) for t in p):
         return ("ids", list(p))          # ids are checked against the vocabulary later
     return ("bad", p)
@@ -358,7 +409,7 @@ def _prompt_items(prompts, prompt_token_ids) -> list:
     if prompt_token_ids is not None:
         if _is_token_list(prompt_token_ids) and prompt_token_ids:
             return [("ids", list(prompt_token_ids))]
-        return [_prompt_item(list(p)) if isinstance(p, (list, tuple)) else ("bad", p) for p in prompt_token_ids]
+        return [_prompt_item(list(p)) if isinstance(p, (list, tuple)) else ("bad", p, None) for p in prompt_token_ids]
     if prompts is None:
         raise ValueError("generate needs prompts (or prompt_token_ids)")
     if isinstance(prompts, (str, dict)) or (_is_token_list(prompts) and prompts):

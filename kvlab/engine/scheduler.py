@@ -144,7 +144,7 @@ class Scheduler:
             seq = queue.popleft()
             if not self._make_room(seq, queue, kept, out):
                 continue
-            self.pool.append(seq.seq_id, 1, [seq.last_token_id])
+            self.pool.append(seq.seq_id, 1, [seq.last_token_id], cache=False)
             kept.append(seq)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, 1))
         self.running = kept
@@ -183,7 +183,8 @@ class Scheduler:
             if num_seqs + width > self.max_num_seqs or seq.num_tokens > budget:
                 break
             try:
-                self.pool.allocate(seq.seq_id, seq.num_tokens, seq.token_ids)
+                # cache=False: its blocks join the prefix cache once their K/V is computed (update)
+                self.pool.allocate(seq.seq_id, seq.num_tokens, seq.token_ids, salt=seq.cache_salt, cache=False)
             except OutOfBlocksError:
                 break
             self.waiting.popleft()
@@ -259,6 +260,7 @@ class Scheduler:
         logprobs = [0.0] * len(tokens) if logprobs is None else [float(x) for x in logprobs]
         for item in out.scheduled:
             item.seq.num_computed_tokens = item.start + item.num_new
+            self.pool.cache_blocks(item.seq.seq_id, item.seq.num_computed_tokens)   # their K/V exists now
             self._fork(item)
         finished = []
         for seq, token, logprob in zip(samples, tokens, logprobs):
@@ -268,6 +270,21 @@ class Scheduler:
         for seq in finished:
             self._release(seq)
         return finished
+
+    def abandon(self, out: SchedulerOutput, error: str) -> list[Sequence]:
+        """The step ``out`` failed before its tokens were sampled: end every sequence it ran (and
+        the samples that were to fork off them) with ``error``, freeing their blocks. None of
+        those blocks was registered in the prefix cache (see ``cache_blocks`` in update), so no
+        later prompt can hit K/V that was never computed. Returns the ended sequences."""
+        if out is not self._unrecorded:
+            raise ValueError("abandon() takes the output of the latest schedule(), once")
+        self._unrecorded = None
+        ended = [seq for item in out.scheduled for seq in (item.seq, *item.forks)]
+        for item in out.scheduled:
+            item.seq.forks = []
+        for seq in ended:
+            self.finish_sequence(seq, "error", error=error)
+        return ended
 
     def _fork(self, item: ScheduledSequence) -> None:
         """The parent's prompt is computed: its other samples start sharing its blocks."""

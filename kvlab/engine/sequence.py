@@ -52,6 +52,7 @@ class Sequence:
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None
         self.text_state = TextState()             # its output as text, decoded step by step
+        self.cache_salt: str | bytes | None = None  # its tenant (see BlockPool.allocate)
 
     # -- tokens ---------------------------------------------------------------------------
     @property

@@ -65,8 +65,9 @@ def torch_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     # Bottom-right causal: query i of b sees keys 0 .. seq_len - query_len + i.
     last_key = (seq_lens - query_lens)[:, None] + i                                  # [B, Qmax]
     mask = j[None, None, :] <= last_key[:, :, None]
-    out = torch.nn.functional.scaled_dot_product_attention(qp.float(), k.float(), v.float(), attn_mask=mask[:, None],
-                                                           scale=sm_scale, enable_gqa=True)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = torch.nn.functional.scaled_dot_product_attention(qp.to(dtype), k.to(dtype), v.to(dtype),
+                                                           attn_mask=mask[:, None], scale=sm_scale, enable_gqa=True)
     return out.transpose(1, 2)[real].to(q.dtype)                                     # [num_tokens, H, D]
 
 

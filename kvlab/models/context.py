@@ -84,9 +84,12 @@ class AttentionContext:
         ``requests`` is a list of ``(seq_id, start, num_new)``: the step computes positions
         ``start .. start + num_new - 1`` of each sequence, which the pool must already hold
         (``allocate``/``append`` first). The sequence then has ``start + num_new`` cached tokens.
-        The pool's own slot mapping refuses a write into a block other sequences share.
+        The pool's own slot mapping refuses a write into a block other sequences share, and a
+        sequence may appear once.
         """
-        slots = [slot for seq_id, start, n in requests for slot in pool.slot_mapping(seq_id, start, n)]
+        from kvlab.paging import batch_slot_mapping
+
+        slots = batch_slot_mapping(pool, requests).tolist()
         return build_attention_context(kv_cache, [pool.block_table(seq_id) for seq_id, _, _ in requests],
                                        [start for _, start, _ in requests], [n for _, _, n in requests],
                                        slots, backend=backend, device=device)

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from kvlab.errors import OutOfBlocksError, SharedBlockWriteError, UnknownSequenceError
-from kvlab.paging.prefix_hash import hash_blocks, token_bytes
+from kvlab.paging.prefix_hash import check_salt, hash_blocks, token_bytes
 
 
 def check_count(name: str, value, *, minimum: int = 0) -> int:
@@ -70,6 +70,8 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
         check_count("num_blocks", num_blocks, minimum=1)
         check_count("block_size", block_size, minimum=1)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_blocks: deque[int] = deque(range(num_blocks))  # free, holding no cached KV
@@ -139,17 +141,21 @@ class BlockPool:
         return slot_mapping(table, start, num_tokens, self.block_size)
 
     # -- changes ------------------------------------------------------------------------
-    def allocate(self, seq_id, num_tokens: int, token_ids=None, salt=None) -> list[int]:
+    def allocate(self, seq_id, num_tokens: int, token_ids=None, salt=None, cache: bool = True) -> list[int]:
         """Start sequence ``seq_id`` with room for ``num_tokens`` tokens; returns its block table.
 
         With prefix caching, ``token_ids`` (the prompt) are required: the longest run of
         cached full blocks that starts the prompt is reused, at most ``num_tokens - 1``
         tokens' worth, so the last prompt token is always computed (its logits are needed).
-        ``num_cached_tokens[seq_id]`` says how many tokens were found.
+        ``num_cached_tokens[seq_id]`` says how many tokens were found. Its own full blocks are
+        registered in the cache at once, or with ``cache=False`` only when :meth:`cache_blocks`
+        says their K/V has been computed (the engine's way: a failed step leaves no block behind
+        that a later prompt would "hit" before its K/V exists).
         """
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it first")
         check_count("num_tokens", num_tokens)
+        check_salt(salt)
         self._check_capacity(seq_id, num_tokens)
         hits, hashes = [], []
         if self.enable_prefix_caching:
@@ -169,10 +175,20 @@ class BlockPool:
             self.seq_salts[seq_id] = salt
             self.seq_hashes[seq_id] = []
             self.num_cached_tokens[seq_id] = len(hits) * self.block_size
-            self._register_full_blocks(seq_id, hashes)
+            self._register_full_blocks(seq_id, hashes, upto=None if cache else len(hits) * self.block_size)
         return self.block_table(seq_id)
 
-    def append(self, seq_id, num_tokens: int = 1, token_ids=None) -> list[int]:
+    def cache_blocks(self, seq_id, num_computed_tokens: int) -> None:
+        """The K/V of the first ``num_computed_tokens`` tokens of ``seq_id`` is in the cache:
+        register its full blocks among them (those not registered yet)."""
+        self._table(seq_id)
+        check_count("num_computed_tokens", num_computed_tokens)
+        if num_computed_tokens > self.seq_lens[seq_id]:
+            raise ValueError(f"sequence {seq_id!r} has {self.seq_lens[seq_id]} tokens, not {num_computed_tokens}")
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq_id, upto=num_computed_tokens)
+
+    def append(self, seq_id, num_tokens: int = 1, token_ids=None, cache: bool = True) -> list[int]:
         """Grow ``seq_id`` by ``num_tokens`` slots; returns the blocks newly taken (often none).
 
         If the last block is partly filled and shared, it is first replaced by a private
@@ -201,7 +217,8 @@ class BlockPool:
         self.seq_lens[seq_id] += num_tokens
         if self.enable_prefix_caching:
             self.seq_tokens[seq_id] += [int(t) for t in token_ids]
-            self._register_full_blocks(seq_id)
+            if cache:
+                self._register_full_blocks(seq_id)
         return new_blocks + grown
 
     def fork(self, parent, child) -> list[int]:
@@ -314,10 +331,13 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
-    def _register_full_blocks(self, seq_id, hashes: list[bytes] | None = None) -> None:
-        """Hash the full blocks of ``seq_id`` not hashed yet, and cache them under those hashes."""
+    def _register_full_blocks(self, seq_id, hashes: list[bytes] | None = None, upto: int | None = None) -> None:
+        """Hash the full blocks of ``seq_id`` not hashed yet (among its first ``upto`` tokens),
+        and cache them under those hashes."""
         done, bs = self.seq_hashes[seq_id], self.block_size
-        num_full = self.seq_lens[seq_id] // bs
+        num_full = (self.seq_lens[seq_id] if upto is None else upto) // bs
+        if num_full <= len(done):
+            return
         if hashes is None:
             parent = done[-1] if done else None
             tokens = self.seq_tokens[seq_id][len(done) * bs:num_full * bs]

@@ -82,7 +82,12 @@ def batch_slot_mapping(pool, requests, pad_to: int | None = None, device="cpu") 
     padded with :data:`PAD_SLOT` to that length (fixed shapes, e.g. for CUDA graphs).
     """
     slots: list[int] = []
+    seen = set()
     for seq_id, start, num_tokens in requests:
+        if seq_id in seen:     # its two rows would write (and attend) as two sequences
+            raise ValueError(f"sequence {seq_id!r} appears twice in one batch: give each sequence one "
+                             f"(start, num_tokens) range")
+        seen.add(seq_id)
         slots += pool.slot_mapping(seq_id, start, num_tokens)
     if pad_to is not None:
         if pad_to < len(slots):

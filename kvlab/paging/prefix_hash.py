@@ -16,11 +16,23 @@ import numpy as np
 ROOT = b"\x00" * 32
 
 
+def check_salt(salt) -> None:
+    """A salt is None (no tenant), or a non-empty ``str`` or ``bytes``: nothing else is turned
+    into bytes (``bytes(3)`` would be three zero bytes, another tenant's salt)."""
+    if salt is None:
+        return
+    if not isinstance(salt, (str, bytes)):
+        raise TypeError(f"cache_salt must be a non-empty str or bytes, got {type(salt).__name__}")
+    if not salt:
+        raise ValueError("cache_salt must be non-empty (use None for no salt)")
+
+
 def root_hash(salt: str | bytes | None = None) -> bytes:
     """The parent of a sequence's first block: a constant, or a per-tenant one with a salt."""
+    check_salt(salt)
     if salt is None:
         return ROOT
-    salt = salt.encode() if isinstance(salt, str) else bytes(salt)
+    salt = salt.encode() if isinstance(salt, str) else salt
     return sha256(b"kvlab-salt" + len(salt).to_bytes(4, "little") + salt).digest()
 
 

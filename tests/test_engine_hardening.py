@@ -1,0 +1,336 @@
+"""The engine under stress: a failed step, tenants, concurrent callers, bad input, and a
+hypothesis state machine that adds, aborts, steps and fails steps at random."""
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvlab  # noqa: F401  (profile first)
+from kvlab import LLM, SamplingParams
+from kvlab.models import LlamaForCausalLM, ModelConfig
+from kvlab.paging import BlockPool
+
+BLOCK = 4
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def micro_model(dtype=torch.float64) -> LlamaForCausalLM:
+    """2 layers of width 32 in float64: a step costs well under a millisecond."""
+    config = ModelConfig(architecture="LlamaForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+                         num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64,
+                         bos_token_id=0, eos_token_id=0)
+    model = LlamaForCausalLM(config)
+    model.reset_parameters(std=0.3, seed=0)
+    return model.to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return micro_model()
+
+
+def engine(model, **kw) -> LLM:
+    kw = {"block_size": BLOCK, "num_gpu_blocks": 40, "device": "cpu", "max_num_seqs": 4, **kw}
+    return LLM(model, **kw)
+
+
+def alone(model, prompt, params=GREEDY) -> list[int]:
+    """The greedy continuation of ``prompt`` by the no-cache loop."""
+    return model.generate(prompt, params.max_tokens, eos_token_id=-1)
+
+
+def assert_idle_and_clean(llm):
+    """No request left, no block leaked: every block is free or (once) in the prefix cache."""
+    pool = llm.pool
+    assert not llm.requests and not llm.scheduler.running and not llm.scheduler.waiting
+    assert not pool.block_tables and not any(pool.ref_counts)
+    assert pool.num_free_blocks == pool.num_blocks
+    assert len(pool.free_blocks) + len(pool.evictable) == pool.num_blocks
+    assert sorted(pool.cached_blocks.values()) == sorted(pool.evictable)
+
+
+class FailOnce:
+    """Wraps the runner's forward: raises on call number ``when`` (1-based), then works."""
+
+    def __init__(self, runner, when: int):
+        self.runner, self.when, self.calls = runner, when, 0
+        self.inner = runner.compute_logits
+        runner.compute_logits = self
+
+    def __call__(self, out):
+        self.calls += 1
+        if self.calls == self.when:
+            self.inner(out)            # the layers wrote K/V: the failure comes after
+            raise RuntimeError("injected failure")
+        return self.inner(out)
+
+
+# -- 1. a failed step -----------------------------------------------------------------------------
+def test_a_failed_step_ends_its_requests_and_the_engine_keeps_serving(model):
+    llm = engine(model, enable_prefix_caching=True)
+    prompt = list(range(1, 11))                         # two full blocks and a half
+    FailOnce(llm.model_runner, when=1)                 # the prefill step fails
+    [failed] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error" and "injected failure" in failed.error
+    assert_idle_and_clean(llm)
+    assert not llm.pool.cached_blocks                   # nothing of the failed step is cached
+    [again] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert again.error is None and again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == alone(model, prompt)
+    [third] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert third.num_cached_tokens == 2 * BLOCK and third.outputs[0].token_ids == alone(model, prompt)
+
+
+def test_a_failed_decode_step_spares_requests_it_did_not_run(model):
+    llm = engine(model, max_num_seqs=1)
+    a = llm.add_request([3, 4, 5], GREEDY)
+    b = llm.add_request([6, 7], GREEDY)
+    FailOnce(llm.model_runner, when=2)                 # a's first decode step fails; b waits
+    outputs = {}
+    while llm.has_unfinished_requests():
+        outputs.update({o.request_id: o for o in llm.step() if o.finished})
+    assert outputs[a].outputs[0].finish_reason == "error"
+    assert outputs[b].error is None and outputs[b].outputs[0].token_ids == alone(model, [6, 7])
+    assert_idle_and_clean(llm)
+
+
+def test_abort_request_frees_its_blocks_at_any_point(model):
+    llm = engine(model, enable_prefix_caching=True)
+    rid = llm.add_request(list(range(1, 12)), SamplingParams(temperature=0, max_tokens=20, n=2))
+    assert not llm.abort_request("no-such-request")
+    llm.step()
+    llm.step()
+    assert llm.pool.num_used_blocks > 0
+    assert llm.abort_request(rid) and not llm.abort_request(rid)
+    assert_idle_and_clean(llm)
+    queued = llm.add_request([1, 2, 3], GREEDY)
+    assert llm.abort_request([queued, "other"])         # still waiting: never ran
+    assert_idle_and_clean(llm)
+
+
+# -- 2. tenants -----------------------------------------------------------------------------------
+def test_requests_of_different_salts_never_share_a_block(model):
+    llm = engine(model, enable_prefix_caching=True)
+    secret = list(range(1, 14))
+
+    def cached(salt=None):
+        prompt = {"prompt_token_ids": secret, **({"cache_salt": salt} if salt is not None else {})}
+        [out] = llm.generate([prompt], GREEDY, use_tqdm=False)
+        return out.num_cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") == 3 * BLOCK              # the same tenant hits its own prefix
+    assert cached("tenant-b") == 0                      # another tenant learns nothing
+    assert cached() == 0 and cached() == 3 * BLOCK      # no salt is a tenant of its own
+    assert cached(b"tenant-a") == 3 * BLOCK             # bytes and str name the same salt
+
+
+@pytest.mark.parametrize("salt, error", [(3, TypeError), (10**8, TypeError), (b"", ValueError), ("", ValueError),
+                                         (["a"], TypeError)])
+def test_bad_salts_are_refused(model, salt, error):
+    llm = engine(model, enable_prefix_caching=True)
+    with pytest.raises(error, match="cache_salt"):
+        llm.add_request({"prompt_token_ids": [1, 2, 3], "cache_salt": salt}, GREEDY)
+    [out] = llm.generate([{"prompt_token_ids": [1, 2, 3], "cache_salt": salt}], GREEDY, use_tqdm=False)
+    assert "cache_salt" in out.error
+    with pytest.raises(error, match="cache_salt"):
+        BlockPool(8, 4, enable_prefix_caching=True).allocate("a", 3, [1, 2, 3], salt=salt)
+    assert_idle_and_clean(llm)
+
+
+# -- 3. concurrent callers --------------------------------------------------------------------------
+def test_generate_returns_only_its_own_requests(model):
+    llm = engine(model)
+    queued = llm.add_request([9, 8, 7], GREEDY)
+    [mine] = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert mine.prompt_token_ids == [1, 2, 3] and mine.outputs[0].token_ids == alone(model, [1, 2, 3])
+    theirs = []
+    while llm.has_unfinished_requests() or not theirs:
+        theirs += [o for o in llm.step() if o.finished]
+    assert [o.request_id for o in theirs] == [queued]
+    assert theirs[0].outputs[0].token_ids == alone(model, [9, 8, 7])
+
+
+def test_user_and_automatic_request_ids_never_collide(model):
+    llm = engine(model)
+    assert llm.add_request([1, 2], GREEDY, request_id="0") == "0"
+    auto = llm.add_request([3, 4], GREEDY)
+    assert auto != "0"
+    with pytest.raises(ValueError, match="already in use"):
+        llm.add_request([5], GREEDY, request_id=auto)
+    outs = llm.generate([[6, 7]], GREEDY, use_tqdm=False)
+    assert outs[0].request_id not in ("0", auto)
+
+
+def test_sampling_params_changed_after_submission_change_nothing(model):
+    llm = engine(model)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    rid = llm.add_request([1, 2, 3], params)
+    params.max_tokens = -5                  # a later change, invalid even: the request keeps its copy
+    params.temperature = 7.0
+    outs = []
+    while llm.has_unfinished_requests():
+        outs += [o for o in llm.step() if o.finished]
+    assert outs[0].request_id == rid and outs[0].outputs[0].token_ids == alone(model, [1, 2, 3], params=GREEDY)[:3]
+
+
+# -- 5. edge checks ---------------------------------------------------------------------------------
+def test_truthy_strings_are_not_booleans(model):
+    with pytest.raises(TypeError, match="enable_prefix_caching"):
+        engine(model, enable_prefix_caching="no")
+    with pytest.raises(TypeError, match="enforce_eager"):
+        engine(model, enforce_eager="yes")
+    with pytest.raises(TypeError, match="enable_prefix_caching"):
+        BlockPool(8, 4, enable_prefix_caching="no")
+
+
+def test_a_sequence_twice_in_one_batch_is_refused():
+    from kvlab.paging import batch_slot_mapping
+
+    pool = BlockPool(8, 4)
+    pool.allocate("a", 6)
+    with pytest.raises(ValueError, match="twice"):
+        batch_slot_mapping(pool, [("a", 0, 3), ("a", 3, 3)])
+
+
+# -- 6. the two planted bugs that survived -----------------------------------------------------------
+def test_copy_on_write_copies_from_the_block_that_holds_the_data():
+    """allocate a, fork a->b, append b, fork b->c, append c: c's copy must come from the block
+    that holds the data (a's), not from b's copy, which is not made yet."""
+    pool = BlockPool(8, 4)
+    pool.allocate("a", 2)
+    pool.fork("a", "b")
+    pool.append("b", 1)
+    pool.fork("b", "c")
+    pool.append("c", 1)
+    src = pool.block_table("a")[0]
+    assert pool.take_copies() == [(src, pool.block_table("b")[0]), (src, pool.block_table("c")[0])]
+
+
+def test_a_sequence_stops_exactly_at_the_context_length(model):
+    """max_model_len bounds prompt + output: with 60 of 64 tokens, exactly 4 more come."""
+    llm = engine(model, max_model_len=64, num_gpu_blocks=32)
+    [out] = llm.generate([list(range(1, 61))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                         use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].finish_reason == "length"
+
+
+# -- the state machine --------------------------------------------------------------------------------
+class EngineMachine:
+    """Random add / abort / step / failing step on a small cache with prefix caching, where
+    preemption happens. Checked after every action: reference counts equal table occurrences,
+    and cached blocks hold exactly their tokens' K/V. At the end: every request ended, no block
+    leaked, and every greedy output equals the prompt's continuation run alone."""
+
+    model = micro_model()
+
+    def __init__(self):
+        self.llm = engine(self.model, enable_prefix_caching=True, num_gpu_blocks=9, max_num_seqs=3)
+        self.prompts, self.done, self.aborted = {}, {}, set()
+        self.verified = {}                       # hash -> block whose K/V was checked
+
+    def add(self, prompt, shared, tokens):
+        if shared and self.prompts:                  # share a prefix with an earlier prompt
+            prompt = list(self.prompts.values())[-1][0][:8] + prompt[:6]
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        rid = self.llm.add_request(prompt, params)
+        self.prompts[rid] = (prompt, params)
+
+    def abort(self, rid):
+        assert self.llm.abort_request(rid)
+        self.aborted.add(rid)
+
+    def step(self, fail=False):
+        if fail:
+            FailOnce(self.llm.model_runner, when=1)
+        for o in self.llm.step():
+            if o.finished:
+                self.done[o.request_id] = o
+        if fail:   # the wrapper is spent; unwrap it
+            self.llm.model_runner.compute_logits = self.llm.model_runner.compute_logits.inner
+
+    def check(self):
+        pool = self.llm.pool
+        counts = [0] * pool.num_blocks
+        for table in pool.block_tables.values():
+            for b in table:
+                counts[b] += 1
+        assert counts == pool.ref_counts
+        self.check_cached_blocks()
+
+    def check_cached_blocks(self):
+        """Every cached hash names a block whose K equals a fresh prefill of the tokens it hashes
+        (checked once per hash and block: the newly cached ones)."""
+        pool, cache = self.llm.pool, self.llm.model_runner.kv_cache
+        for seq_id, hashes in pool.seq_hashes.items():
+            new = [i for i, h in enumerate(hashes) if h in pool.cached_blocks
+                   and self.verified.get(h) != pool.cached_blocks[h]]
+            if not new:
+                continue
+            fresh = fresh_kv(self.model, pool.seq_tokens[seq_id][:len(hashes) * BLOCK])
+            for i in new:
+                block = pool.cached_blocks[hashes[i]]
+                got = cache.k[:, block].reshape(cache.num_layers, BLOCK, -1)
+                want = fresh[:, i * BLOCK:(i + 1) * BLOCK].reshape(cache.num_layers, BLOCK, -1)
+                torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+                self.verified[hashes[i]] = block
+
+    def finish(self):
+        for _ in range(500):
+            if not self.llm.has_unfinished_requests():
+                break
+            self.step()
+        assert_idle_and_clean(self.llm)
+        for rid, (prompt, params) in self.prompts.items():
+            if rid in self.aborted:
+                continue
+            out = self.done[rid]
+            if out.error:
+                assert "injected failure" in out.error
+                continue
+            assert out.outputs[0].token_ids == alone(self.model, prompt, params)
+
+
+PROMPTS = st.lists(st.integers(1, 63), min_size=1, max_size=14)
+ACTIONS = st.one_of(
+    st.tuples(st.just("add"), PROMPTS, st.booleans(), st.integers(1, 10)),
+    st.tuples(st.just("abort"), st.integers(0, 1000)),
+    st.tuples(st.just("step"), st.sampled_from([False, False, False, True])),   # 1 in 4 steps fails
+)
+
+
+@settings(max_examples=6, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_engine_state_machine(data):
+    """300 random actions per example (more steps than adds: requests run to their end)."""
+    machine = EngineMachine()
+    for _ in range(300):
+        action = data.draw(ACTIONS)
+        if action[0] == "add" and len(machine.llm.requests) < 6:
+            machine.add(*action[1:])
+        elif action[0] == "abort" and machine.llm.requests:
+            machine.abort(sorted(machine.llm.requests)[action[1] % len(machine.llm.requests)])
+        else:
+            machine.step(fail=action[0] == "step" and action[1])
+        machine.check()
+    machine.finish()
+
+
+def fresh_kv(model, tokens) -> torch.Tensor:
+    """K of ``tokens`` in every layer ``[layers, T, kv_heads, head_dim]``, by a no-cache forward."""
+    from kvlab.models.rope import apply_rope
+
+    ks = []
+    with torch.no_grad():
+        x = model.model.embed_tokens(torch.tensor(tokens))
+        positions = torch.arange(len(tokens))
+        residual = None
+        for layer in model.model.layers:
+            h, residual = (layer.input_layernorm(x), x) if residual is None else layer.input_layernorm(x, residual)
+            _, k, _ = layer.self_attn.project(h)
+            cos, sin = layer.self_attn.rotary(positions)
+            ks.append(apply_rope(k, cos, sin))
+            x = layer.self_attn(h, positions)
+            x, residual = layer.post_attention_layernorm(x, residual)
+            x = layer.mlp(x)
+    return torch.stack(ks)
