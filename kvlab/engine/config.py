@@ -7,10 +7,9 @@ graphs, the attention backend). None of them reads the config object itself.
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, fields
 
-from kvlab.paging.block_pool import check_count
+from kvlab.validation import check_bool, check_count, check_fraction
 
 #: Batch sizes a decode step is padded up to, each replayed from its own CUDA graph (as vLLM).
 CUDAGRAPH_BATCH_SIZES = (1, 2, 4, 8, *range(16, 513, 8))
@@ -52,11 +51,8 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 check_count(name, getattr(self, name), minimum=1)
         for name in ("enable_prefix_caching", "enforce_eager"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, numbers.Real) or not 0 < u <= 1:
-            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
+            check_bool(name, getattr(self, name))
+        check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         if self.seed is not None:
             check_count("seed", self.seed)
 

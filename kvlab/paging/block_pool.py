@@ -27,16 +27,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from kvlab.errors import OutOfBlocksError, SharedBlockWriteError, UnknownSequenceError
+from kvlab.validation import check_bool, check_count  # noqa: F401  (check_count: imported from here too)
 from kvlab.paging.prefix_hash import check_salt, hash_blocks, token_bytes
-
-
-def check_count(name: str, value, *, minimum: int = 0) -> int:
-    """``value`` as an int >= ``minimum``, or a TypeError/ValueError that names ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -70,8 +62,7 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = False):
         check_count("num_blocks", num_blocks, minimum=1)
         check_count("block_size", block_size, minimum=1)
-        if not isinstance(enable_prefix_caching, bool):
-            raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        check_bool("enable_prefix_caching", enable_prefix_caching)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_blocks: deque[int] = deque(range(num_blocks))  # free, holding no cached KV
