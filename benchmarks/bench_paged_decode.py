@@ -1,17 +1,27 @@
 """paged_decode on the GPU: split vs non-split vs PyTorch peers, as effective KV bandwidth.
 
-    python benchmarks/bench_paged_decode.py [--out DIR]
+    python benchmarks/bench_paged_decode.py [--out DIR] [--sweep] [--no-chapter]
 
 bf16, 32 query heads over 8 KV heads, head dim 128, block size 16, block tables shuffled.
 Bytes counted: K and V of every cached token, read once. Peers in the same run: SDPA with the
 cuDNN and the flash backends on *contiguous* K/V (no paging: the ceiling a paged kernel aims
 at), gather-then-SDPA (copy each sequence's pages into a contiguous tensor, then flash SDPA),
 and the device-to-device copy rate. Small shapes are also timed as CUDA-graph replays, which
-leave out the launch gaps.
+leave out the launch gaps. (``rows`` of the JSON: chapter 6's table, which notebook 06 plots;
+``--no-chapter`` skips it.)
+
+Medium batches (``medium`` in the JSON): the engine's call (``validate=False``, the split
+count from ``choose_num_splits``) against cuDNN SDPA on contiguous K/V, at batch x context
+from 1x32K to 32x32K. ``--sweep`` also times, for each of those shapes, every split count of
+SPLIT_COUNTS with every tile of TILES and every (num_warps, num_stages) of LAUNCHES, and
+reports the best (``sweep`` in the JSON: every config; ``best``: the winner per shape, beside
+what ``choose_num_splits`` picked). Every output is poisoned (NaN) before the call that fills
+it, and checked against cuDNN's before it is timed.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -24,10 +34,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 import kvlab  # noqa: E402,F401
 from common import bench, copy_bandwidth, environment, print_table, save  # noqa: E402
 from kvlab.kernels import paged_decode  # noqa: E402
+from kvlab.kernels.paged_decode import choose_num_splits  # noqa: E402
 from kvlab.reference import paged_attention_ref  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 32, 8, 128, 16
 SHAPES = [(32, 32768), (1, 131072), (1, 32768), (4, 32768), (8, 8192), (1, 1024), (32, 1024)]
+MEDIUM_SHAPES = [(2, 8192), (2, 32768), (4, 8192), (4, 32768), (8, 8192), (8, 32768), (16, 8192), (16, 32768),
+                 (1, 32768), (1, 131072), (32, 32768)]
+SPLIT_COUNTS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+TILES = [64, 128]                                   # BLOCK_N
+LAUNCHES = [(4, 2), (4, 3), (8, 2), (8, 3)]         # (num_warps, num_stages)
+MAX_ERROR = 3e-2                                    # bf16: max |paged_decode - cuDNN| allowed before timing
 
 
 def make_batch(batch: int, seq_len: int):
@@ -77,12 +94,72 @@ def check(q, k_cache, v_cache, tables, seq_lens) -> float:
     return float((out.float() - ref).norm() / ref.norm())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    env = environment()
-    ceiling = copy_bandwidth()
+def kv_tbps(batch: int, seq_len: int, seconds: float) -> float:
+    """Effective bandwidth: K and V bytes (bf16) of every cached token / time, in TB/s."""
+    return 2 * batch * seq_len * KV_HEADS * DIM * 2 / seconds / 1e12
+
+
+def checked_seconds(fn, out, want, warmup_ms=50, rep_ms=200):
+    """Median seconds of ``fn()``, which writes ``out``; first ``out`` is poisoned and the output
+    checked against ``want``. Returns a string instead when the output is wrong or the call fails
+    (a config that does not compile, say)."""
+    try:
+        out.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        error = float((out.float() - want.float()).abs().max())   # NaN (a row not written) fails too
+        if not error <= MAX_ERROR:
+            return f"wrong (max error {error:.1e})"
+        return bench(fn, warmup_ms=warmup_ms, rep_ms=rep_ms)
+    except Exception as e:  # noqa: BLE001  (a config that fails is a result too)
+        return f"error: {type(e).__name__}: {str(e)[:60]}"
+
+
+def medium(batch: int, seq_len: int, num_sms: int, sweep: bool) -> tuple[dict, list[dict], dict | None]:
+    """One medium shape: the engine's call and cuDNN SDPA; with ``sweep`` every config too."""
+    q, k_cache, v_cache, tables, seq_lens = make_batch(batch, seq_len)
+    k, v = contiguous_kv(k_cache, v_cache, tables)
+    want = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)
+    splits = choose_num_splits(batch, KV_HEADS, seq_len, num_sms)
+    out = torch.empty_like(q)
+    engine = checked_seconds(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, splits, validate=False,
+                                                  out=out), out, want)
+    cudnn = bench(lambda: sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION))
+    row = {"batch": batch, "seq_len": seq_len, "num_splits": splits,
+           "engine_TBps": round(kv_tbps(batch, seq_len, engine), 2) if isinstance(engine, float) else engine,
+           "cudnn_TBps": round(kv_tbps(batch, seq_len, cudnn), 2),
+           "engine_us": round(engine * 1e6, 1) if isinstance(engine, float) else "-",
+           "cudnn_us": round(cudnn * 1e6, 1)}
+    row["vs_cudnn"] = round(cudnn / engine, 2) if isinstance(engine, float) else "-"
+    print(row, flush=True)
+    configs, best = [], None
+    if sweep:
+        for num_splits, block_n, (warps, stages) in itertools.product(SPLIT_COUNTS, TILES, LAUNCHES):
+            call = lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, num_splits,  # noqa: E731
+                                        validate=False, out=out, block_n=block_n, num_warps=warps, num_stages=stages)
+            seconds = checked_seconds(call, out, want, warmup_ms=20, rep_ms=80)
+            config = {"batch": batch, "seq_len": seq_len, "num_splits": num_splits, "block_n": block_n,
+                      "num_warps": warps, "num_stages": stages}
+            if isinstance(seconds, float):
+                config.update(us=round(seconds * 1e6, 1), TBps=round(kv_tbps(batch, seq_len, seconds), 2))
+                if best is None or config["us"] < best["us"]:
+                    best = config
+            else:
+                config.update(us="-", TBps=seconds)
+            configs.append(config)
+        if best is not None:
+            best = dict(best, cudnn_TBps=row["cudnn_TBps"], vs_cudnn=round(row["cudnn_us"] / best["us"], 2),
+                        chosen_splits=splits, chosen_TBps=row["engine_TBps"],
+                        chosen_vs_best=round(best["us"] / row["engine_us"], 2)
+                        if isinstance(row["engine_us"], float) else "-")
+            print("best:", best, flush=True)
+    del q, k_cache, v_cache, tables, seq_lens, k, v, want, out
+    torch.cuda.empty_cache()
+    return row, configs, best
+
+
+def chapter_rows() -> list[dict]:
+    """Chapter 6's table (notebook 06 plots it): split, non-split and every peer per shape."""
     rows = []
     for batch, seq_len in SHAPES:
         q, k_cache, v_cache, tables, seq_lens = make_batch(batch, seq_len)
@@ -115,9 +192,38 @@ def main() -> None:
         rows.append(row)
         del q, k_cache, v_cache, tables, k, v
         torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--sweep", action="store_true", help="time every split count x tile x launch config")
+    parser.add_argument("--no-chapter", action="store_true", help="skip chapter 6's table (rows)")
+    args = parser.parse_args()
+    env = environment()
+    ceiling = copy_bandwidth()
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}; copy ceiling {ceiling / 1e12:.2f} TB/s")
-    print_table(rows, list(rows[0]))
-    save("paged_decode", {"env": env, "copy_ceiling_Bps": ceiling, "rows": rows}, args.out)
+    rows = [] if args.no_chapter else chapter_rows()
+    if rows:
+        print_table(rows, list(rows[0]))
+    medium_rows, sweep, best = [], [], []
+    for batch, seq_len in MEDIUM_SHAPES:
+        row, configs, winner = medium(batch, seq_len, env["sms"], args.sweep)
+        medium_rows.append(row)
+        sweep += configs
+        if winner is not None:
+            best.append(winner)
+    print("\nmedium batches: the engine's call (validate=False, choose_num_splits) vs cuDNN SDPA, contiguous K/V")
+    print_table(medium_rows, list(medium_rows[0]))
+    if best:
+        print("\nsweep: the best config per shape (us, TB/s), against choose_num_splits' pick with the default tile")
+        print_table(best, ["batch", "seq_len", "num_splits", "block_n", "num_warps", "num_stages", "us", "TBps",
+                           "cudnn_TBps", "vs_cudnn", "chosen_splits", "chosen_TBps", "chosen_vs_best"])
+    payload = {"env": env, "copy_ceiling_Bps": ceiling, "rows": rows, "medium": medium_rows}
+    if args.sweep:
+        payload.update(sweep=sweep, best=best, split_counts=SPLIT_COUNTS, tiles=TILES, launches=LAUNCHES)
+    save("paged_decode", payload, args.out)
 
 
 if __name__ == "__main__":

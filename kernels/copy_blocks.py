@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.checks import check_same_device
+from kvlab.kernels.checks import check_copy_blocks_args  # (in checks.py with every launcher's checks)
 
 
 @triton.jit
@@ -51,37 +51,3 @@ def copy_blocks(caches: list[torch.Tensor], block_mapping: torch.Tensor, *, vali
         grid = (block_mapping.shape[0], layers.shape[0], triton.cdiv(block_numel, chunk))
         copy_blocks_kernel[grid](layers, block_mapping, layers[0].numel(), BLOCK_NUMEL=block_numel, CHUNK=chunk)
 
-
-def check_copy_blocks_args(caches, block_mapping) -> None:
-    """Raise TypeError/ValueError naming the first argument of copy_blocks that breaks a rule."""
-    if not isinstance(caches, (list, tuple)) or not caches:
-        raise TypeError("caches must be a non-empty list of cache tensors")
-    for i, cache in enumerate(caches):
-        if not isinstance(cache, torch.Tensor):
-            raise TypeError(f"caches[{i}] must be a torch.Tensor, got {type(cache).__name__}")
-        if cache.dim() not in (4, 5) or not cache.is_contiguous():
-            raise ValueError(f"caches[{i}] must be a contiguous [num_layers,] num_blocks, block_size, "
-                             f"num_kv_heads, head_dim tensor, got shape {list(cache.shape)}")
-        if cache.shape[-4] != caches[0].shape[-4]:
-            raise ValueError(f"caches[{i}] has {cache.shape[-4]} blocks, caches[0] has {caches[0].shape[-4]}")
-    if not isinstance(block_mapping, torch.Tensor):
-        raise TypeError(f"block_mapping must be a torch.Tensor, got {type(block_mapping).__name__}")
-    if block_mapping.dtype != torch.int64:
-        raise TypeError(f"block_mapping must be int64, got {block_mapping.dtype}")
-    if block_mapping.dim() != 2 or block_mapping.shape[1] != 2 or not block_mapping.is_contiguous():
-        raise ValueError(f"block_mapping must be a contiguous [num_pairs, 2] tensor of (src, dst), "
-                         f"got shape {list(block_mapping.shape)}")
-    check_same_device(block_mapping=block_mapping, **{f"caches[{i}]": c for i, c in enumerate(caches)})
-    if block_mapping.numel() == 0:
-        return
-    num_blocks = caches[0].shape[-4]
-    bad = (block_mapping < 0) | (block_mapping >= num_blocks)
-    if bool(bad.any()):
-        row, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"block_mapping[{row}, {col}] = {int(block_mapping[row, col])} is out of range "
-                         f"0..{num_blocks - 1}")
-    src, dst = block_mapping[:, 0], block_mapping[:, 1]
-    if torch.unique(dst).numel() != dst.numel():
-        raise ValueError("block_mapping copies into one dst block twice")
-    if bool(torch.isin(dst, src).any()):
-        raise ValueError("block_mapping uses a block as both a src and a dst: the copies would race")

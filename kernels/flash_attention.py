@@ -26,7 +26,6 @@ extending a cached prefix are one rule). See :func:`kvlab.reference.attention_re
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 import triton
@@ -34,7 +33,21 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kvlab import profile
-from kvlab.kernels.checks import check_kv_cache_pair, check_same_device, grid_length
+# The argument checks live in kvlab.kernels.checks (with every other launcher's); re-exported here.
+from kvlab.kernels.checks import (  # noqa: F401
+    DTYPES as _DTYPES,
+    _check_dtypes,
+    _check_head_dim,
+    _check_heads,
+    _check_int32_vector,
+    _check_out,
+    _check_rows_contiguous,
+    _check_sm_scale,
+    _check_tensor,
+    check_flash_attention_args,
+    check_paged_prefill_args,
+    grid_length,
+)
 
 LOG2_E = 1.4426950408889634  # scores are scaled by log2(e) so the kernels can use exp2
 
@@ -389,12 +402,16 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
 
     ``out`` (optional) receives the result (``q``'s shape and dtype); the log-sum-exp (natural
     log, float32) is ``[batch, num_heads, len_q]`` or ``[num_heads, total_q]``. ``validate``
-    checks every argument before the launch (in the packed form that reads ``cu_seqlens`` back
-    to the host); ``max_seqlen_q`` spares the one read the packed grid needs. ``block_m``,
+    checks every argument before the launch (in the packed form with one read back to the host,
+    of a check kernel's statistics of ``cu_seqlens``, which also size the grid: see
+    :mod:`kvlab.kernels.checks`); unchecked, ``max_seqlen_q`` spares the one read the packed
+    grid needs. ``block_m``,
     ``block_n``, ``num_warps``, ``num_stages`` override :func:`tile_config`.
     """
+    longest_q = None
     if validate:
-        check_flash_attention_args(q, k, v, causal, sm_scale, cu_seqlens_q, cu_seqlens_k, out)
+        longest_q = check_flash_attention_args(q, k, v, causal, sm_scale, cu_seqlens_q, cu_seqlens_k, out,
+                                               max_seqlen_q=max_seqlen_q)
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
@@ -402,8 +419,9 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if varlen:
         batch, num_heads, len_q, len_k = cu_seqlens_q.numel() - 1, q.shape[1], 0, 0
-        lens_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
-        max_seqlen_q = grid_length(lens_q, max_seqlen_q, "max_seqlen_q", validate)
+        if max_seqlen_q is None:   # the grid needs it: from the checks' read, or a read of its own
+            max_seqlen_q = (longest_q if longest_q is not None
+                            else grid_length(cu_seqlens_q[1:] - cu_seqlens_q[:-1], None, "max_seqlen_q", False))
         lse = torch.empty((num_heads, q.shape[0]), dtype=torch.float32, device=q.device) if return_lse else None
         # (batch, token, head) strides: the batch stride is 0, rows are found through cu_seqlens.
         strides = [(0, out.stride(0), out.stride(1)), (0, 1, q.shape[0]) if return_lse else (0, 0, 0)]
@@ -447,31 +465,32 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     the new tokens' keys from them, whole tiles at a time, and only the cached prefix through the
     block table; without them, every key goes through the table.
 
-    ``validate`` checks every argument before the launch, reading the lengths and the used
-    block-table entries back to the host; ``max_query_len`` spares the one read the grid needs,
-    ``cu_query_lens`` (the running sum of ``query_lens`` with a leading 0, if the caller has it)
-    the two small launches that compute it.
+    ``validate`` checks every argument before the launch, with one read back to the host (a
+    check kernel's statistics of the lengths and the used block-table entries, which also give
+    the grid's ``max_query_len``; see :mod:`kvlab.kernels.checks`). Unchecked, ``max_query_len``
+    spares the one read the grid needs, ``cu_query_lens`` (the running sum of ``query_lens`` with
+    a leading 0, if the caller has it) the two small launches that compute it.
     """
+    longest_q = None
     if validate:
-        check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out,
-                                 k_new, v_new)
+        longest_q, cu_query_lens = check_paged_prefill_args(
+            q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out, k_new, v_new,
+            max_query_len=max_query_len, cu_query_lens=cu_query_lens)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     batch = query_lens.shape[0]
-    max_query_len = grid_length(query_lens, max_query_len, "max_query_len", validate)
+    if max_query_len is None:      # the grid needs it: from the checks' read, or a read of its own
+        max_query_len = longest_q if longest_q is not None else grid_length(query_lens, None, "max_query_len",
+                                                                            False)
     if batch == 0 or num_tokens == 0 or max_query_len == 0:
         return out
-    # Sequence b's queries are rows cu_query_lens[b] .. cu_query_lens[b + 1] - 1 of q.
-    if cu_query_lens is None or validate:
-        running_sum = torch.nn.functional.pad(torch.cumsum(query_lens, 0, dtype=torch.int32), (1, 0))
-        given = cu_query_lens
-        if given is not None and (given.dtype != torch.int32 or given.shape != running_sum.shape
-                                  or not torch.equal(given, running_sum)):
-            raise ValueError("cu_query_lens must be the int32 running sum of query_lens with a leading 0")
-        cu_query_lens = running_sum
+    # Sequence b's queries are rows cu_query_lens[b] .. cu_query_lens[b + 1] - 1 of q (the checks
+    # verified a given one, or wrote it).
+    if cu_query_lens is None:
+        cu_query_lens = torch.nn.functional.pad(torch.cumsum(query_lens, 0, dtype=torch.int32), (1, 0))
     cfg = _launch_config(head_dim, max_query_len, block_m, block_n, num_warps, num_stages, q.element_size())
     new_kv = k_new is not None
     q_desc = _tile_descriptor(q, cfg["BLOCK_M"], varlen=True)
@@ -484,191 +503,3 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, NEW_KV=new_kv,
         DOT_PRECISION=_dot_precision(q.dtype), **cfg)
     return out
-
-
-# -- argument checks -------------------------------------------------------------------------
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _check_tensor(name, t, dims, what):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != dims:
-        raise ValueError(f"{name} must be {what}, got shape {list(t.shape)}")
-
-
-def _check_dtypes(**tensors):
-    (first_name, first), *rest = tensors.items()
-    if first.dtype not in _DTYPES:
-        raise TypeError(f"{first_name} has dtype {first.dtype}; supported: float16, bfloat16, float32")
-    if first.dtype == torch.bfloat16 and profile.INTERPRETED:
-        raise TypeError(f"{first_name} is bfloat16, which Triton's CPU interpreter cannot compute with: "
-                        "use float32 or float16 there")
-    for name, t in rest:
-        if t.dtype != first.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}, {first_name} has {first.dtype}: they must match")
-
-
-def _check_heads(num_heads, num_kv_heads, q_name, kv_name):
-    if num_kv_heads < 1 or num_heads % num_kv_heads:
-        raise ValueError(f"{q_name} has {num_heads} heads, which is not a multiple of {kv_name}'s "
-                         f"{num_kv_heads} (each KV head serves an equal group of query heads)")
-
-
-def _check_head_dim(head_dim, kv_head_dim, kv_name):
-    if head_dim != kv_head_dim:
-        raise ValueError(f"q has head_dim {head_dim}, {kv_name} has {kv_head_dim}: they must match")
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must be a power of two from 16 to 256 (whole rows are loaded "
-                         f"without a mask, and tl.dot needs 16 at least), got {head_dim}")
-
-
-def _check_rows_contiguous(**tensors):
-    for name, t in tensors.items():
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dim (head_dim), got strides {list(t.stride())}")
-
-
-def _check_sm_scale(sm_scale):
-    if sm_scale is None:
-        return
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
-        raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-    if not math.isfinite(sm_scale) or sm_scale <= 0:
-        raise ValueError(f"sm_scale must be finite and positive, got {sm_scale}")
-
-
-def _check_out(out, q):
-    if out is None:
-        return
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(f"out must match q ({list(q.shape)}, {q.dtype}, {q.device}), got "
-                         f"{list(out.shape)}, {out.dtype}, {out.device}")
-    _check_rows_contiguous(out=out)
-
-
-def _check_int32_vector(name, t, length, what):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if t.dim() != 1 or (length is not None and t.shape[0] != length) or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous 1-D tensor of {what}, got shape {list(t.shape)}")
-
-
-def _check_cu_seqlens(name, cu, total):
-    cu_host = cu.cpu()
-    if cu_host[0] != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(cu_host[0])}")
-    steps = cu_host[1:] - cu_host[:-1]
-    if bool((steps < 0).any()):
-        i = int((steps < 0).nonzero()[0])
-        raise ValueError(f"{name} must be monotonically increasing (non-decreasing): {name}[{i + 1}] = "
-                         f"{int(cu_host[i + 1])} < {name}[{i}] = {int(cu_host[i])}")
-    if cu_host[-1] != total:
-        raise ValueError(f"{name}[-1] = {int(cu_host[-1])} must equal the number of packed tokens, {total}")
-    return steps
-
-
-def check_flash_attention_args(q, k, v, causal, sm_scale, cu_seqlens_q, cu_seqlens_k, out) -> None:
-    """Raise TypeError/ValueError naming the first argument of flash_attention that breaks a rule."""
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    dims, what = ((3, "[total_tokens, heads, head_dim] (packed, with cu_seqlens)") if varlen
-                  else (4, "[batch, heads, len, head_dim]"))
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, dims, what)
-    _check_dtypes(q=q, k=k, v=v)
-    check_same_device(q=q, k=k, v=v)
-    if k.shape != v.shape:
-        raise ValueError(f"k {list(k.shape)} and v {list(v.shape)} must have the same shape")
-    head_axis = 1
-    _check_heads(q.shape[head_axis], k.shape[head_axis], "q", "k")
-    _check_head_dim(q.shape[-1], k.shape[-1], "k")
-    _check_rows_contiguous(q=q, k=k, v=v)
-    _check_sm_scale(sm_scale)
-    _check_out(out, q)
-    if not varlen:
-        if q.shape[0] != k.shape[0]:
-            raise ValueError(f"q has batch {q.shape[0]}, k has {k.shape[0]}")
-        if causal and q.shape[2] > k.shape[2]:
-            raise ValueError(f"causal attention needs len_q <= len_k (queries are the last len_q positions), "
-                             f"got len_q {q.shape[2]} > len_k {k.shape[2]}")
-        if q.shape[2] > 0 and k.shape[2] == 0:
-            raise ValueError("k has len_k 0: every query needs at least one key")
-        return
-    if cu_seqlens_q is None or cu_seqlens_k is None:
-        raise ValueError("the packed form needs both cu_seqlens_q and cu_seqlens_k")
-    _check_int32_vector("cu_seqlens_q", cu_seqlens_q, None, "batch + 1 row offsets")
-    _check_int32_vector("cu_seqlens_k", cu_seqlens_k, cu_seqlens_q.shape[0], "batch + 1 row offsets")
-    if cu_seqlens_q.shape[0] < 1:
-        raise ValueError("cu_seqlens_q must have batch + 1 >= 1 entries")
-    check_same_device(q=q, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
-    lens_q = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
-    lens_k = _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0])
-    bad = (lens_q > lens_k) if causal else ((lens_q > 0) & (lens_k == 0))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        rule = ("causal attention needs len_q <= len_k" if causal else "every query needs at least one key")
-        raise ValueError(f"sequence {i} has {int(lens_q[i])} queries and {int(lens_k[i])} keys: {rule}")
-
-
-def check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out,
-                             k_new=None, v_new=None) -> None:
-    """Raise TypeError/ValueError naming the first argument of paged_prefill that breaks a rule."""
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache_pair(k_cache, v_cache)
-    _check_tensor("q", q, 3, "[total_q, num_heads, head_dim]")
-    _check_dtypes(q=q, k_cache=k_cache, v_cache=v_cache)
-    _check_heads(q.shape[1], num_kv_heads, "q", "k_cache")
-    _check_head_dim(q.shape[2], head_dim, "k_cache")
-    _check_rows_contiguous(q=q)
-    _check_sm_scale(sm_scale)
-    _check_out(out, q)
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new come together: give both (the new tokens' K and V) or neither")
-    if k_new is not None:
-        want = [q.shape[0], num_kv_heads, head_dim]
-        for name, t in (("k_new", k_new), ("v_new", v_new)):
-            _check_tensor(name, t, 3, "[total_q, num_kv_heads, head_dim]")
-            if list(t.shape) != want:
-                raise ValueError(f"{name} must be {want} (one row of K/V per new token, packed like q), "
-                                 f"got {list(t.shape)}")
-        _check_dtypes(q=q, k_new=k_new, v_new=v_new)
-        _check_rows_contiguous(k_new=k_new, v_new=v_new)
-        check_same_device(q=q, k_new=k_new, v_new=v_new)
-    if not isinstance(block_tables, torch.Tensor):
-        raise TypeError(f"block_tables must be a torch.Tensor, got {type(block_tables).__name__}")
-    if block_tables.dtype != torch.int32:
-        raise TypeError(f"block_tables must be int32, got {block_tables.dtype}")
-    if block_tables.dim() != 2 or block_tables.stride(-1) != 1:
-        raise ValueError(f"block_tables must be [batch, max_blocks] with contiguous rows, "
-                         f"got shape {list(block_tables.shape)}")
-    batch, max_blocks = block_tables.shape
-    _check_int32_vector("seq_lens", seq_lens, batch, f"{batch} lengths (one per block_tables row)")
-    _check_int32_vector("query_lens", query_lens, batch, f"{batch} lengths (one per block_tables row)")
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens,
-                      query_lens=query_lens)
-    seq_host, query_host = seq_lens.cpu().long(), query_lens.cpu().long()
-    for name, lens in (("query_lens", query_host), ("seq_lens", seq_host)):
-        if bool((lens < 0).any()):
-            i = int((lens < 0).nonzero()[0])
-            raise ValueError(f"{name}[{i}] = {int(lens[i])} is negative")
-    if int(query_host.sum()) != q.shape[0]:
-        raise ValueError(f"query_lens sum to {int(query_host.sum())}, q has {q.shape[0]} tokens")
-    if bool((query_host > seq_host).any()):
-        i = int((query_host > seq_host).nonzero()[0])
-        raise ValueError(f"query_lens[{i}] = {int(query_host[i])} > seq_lens[{i}] = {int(seq_host[i])}: "
-                         "a sequence's new tokens are part of its cached tokens")
-    capacity = max_blocks * block_size
-    if bool((seq_host > capacity).any()):
-        i = int((seq_host > capacity).nonzero()[0])
-        raise ValueError(f"seq_lens[{i}] = {int(seq_host[i])} is beyond block_tables' capacity of "
-                         f"{max_blocks} blocks x {block_size} tokens = {capacity}")
-    # Only the entries a sequence uses must name real blocks; the padding after them is never read.
-    used = torch.arange(max_blocks)[None, :] < ((seq_host + block_size - 1) // block_size)[:, None]
-    table = block_tables.cpu()
-    bad = used & ((table < 0) | (table >= num_blocks))
-    if bool(bad.any()):
-        row, col = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"block_tables[{row}, {col}] = {int(table[row, col])} is out of range 0..{num_blocks - 1}")

@@ -18,29 +18,31 @@ chapter compares against.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.checks import check_kv_cache_pair, check_same_device, grid_length
+from kvlab.kernels.checks import check_paged_decode_args, grid_length  # noqa: F401  (re-exported)
 
-MIN_TOKENS_PER_SPLIT = 256  # a split shorter than this costs more to merge than it saves
 GPU_BLOCK_N = 128           # tokens per tile on a GPU (an H200 sweep: benchmarks/tune_attention.py)
 INTERPRETER_BLOCK_N = 16    # small tiles, so the interpreter's short sequences still cross several
 
 
 @triton.jit
 def decode_split_kernel(
-    q_ptr,                 # [batch, num_heads, HEAD_DIM]
+    q_ptr,                 # [batch, num_heads, HEAD_DIM], head_dim contiguous (rows may be strided)
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
     block_tables_ptr,      # [batch, max_blocks] int32
     seq_lens_ptr,          # [batch] int32
     out_ptr,               # num_splits == 1: [batch, num_heads, HEAD_DIM]; else [batch, num_heads, num_splits, HEAD_DIM] fp32
     lse_ptr,               # [batch, num_heads, num_splits] fp32
     sm_scale,
-    num_kv_heads, max_blocks, num_splits, tokens_per_split,
+    stride_qt, stride_qh,  # q's strides of a sequence (token) and of a head: q may be a view of a fused QKV
+    stride_table,          # block_tables.stride(0)
+    num_kv_heads, num_splits,
     GROUP: tl.constexpr,        # query heads per KV head
     GROUP_PAD: tl.constexpr,    # GROUP rounded up to 16 rows, the smallest tl.dot tile
     HEAD_DIM: tl.constexpr,
@@ -52,14 +54,21 @@ def decode_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # This program's range of the sequence. Each sequence cuts its own length into num_splits
+    # ranges of whole tiles, so nothing here depends on the batch's longest sequence: the host
+    # launches the grid (batch, num_kv_heads, num_splits) without reading any length back, and a
+    # CUDA graph captured with one set of lengths replays right with any other. A short sequence
+    # spreads over all the splits too; when it has fewer tiles than splits, the last splits are
+    # empty (start >= end).
     seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)   # the query heads of this GQA group
     head_mask = tl.arange(0, GROUP_PAD) < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (seq * num_kv_heads * GROUP + heads)[:, None] * HEAD_DIM + dims[None, :],
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=head_mask[:, None], other=0.0)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores
@@ -70,7 +79,7 @@ def decode_split_kernel(
         pos = tile + tl.arange(0, BLOCK_N)
         valid = pos < end
         # Through the block table: logical position -> physical slot of the paged cache.
-        page = tl.load(block_tables_ptr + seq * max_blocks + pos // BLOCK_SIZE, mask=valid, other=0)
+        page = tl.load(block_tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=valid, other=0)
         slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         offs = slot[:, None] * row_stride + kv_head * HEAD_DIM + dims[None, :]
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
@@ -115,26 +124,66 @@ def merge_splits_kernel(
     lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
     # out = sum_g exp(lse_g - lse_max) * out_g / sum_g exp(lse_g - lse_max): lse_g = m_g + log l_g,
     # so each weight is split g's softmax mass l_g * exp(m_g), scaled by a common exp(-lse_max).
-    weights = tl.exp(lse - tl.max(lse, axis=0))
+    # (A sequence of length 0, a padding row of a CUDA graph's batch, has only empty splits:
+    # lse_max = -inf. Measured against 0 instead, every weight is 0 and its output is 0, not NaN.)
+    lse_max = tl.max(lse, axis=0)
+    weights = tl.exp(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
     dims = tl.arange(0, HEAD_DIM)
     partial = tl.load(partial_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
                       mask=(splits < num_splits)[:, None], other=0.0)
-    out = tl.sum(weights[:, None] * partial, axis=0) / tl.sum(weights, axis=0)
+    total = tl.sum(weights, axis=0)
+    out = tl.sum(weights[:, None] * partial, axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough splits for about two programs per SM, none shorter than MIN_TOKENS_PER_SPLIT.
+# -- how many splits ---------------------------------------------------------------------------
+# `benchmarks/bench_paged_decode.py --sweep` timed every split count at batch x context from 1x32K
+# to 32x32K on an H200 (132 SMs, 8 KV heads). At every shape the best count made about 256
+# programs, two per SM, all running at once; 128 programs (one per SM) ran 10-30% slower, and so
+# did ~512 (a second wave of programs), even where the model below counts the same time for it.
+# The costs are in "tokens one program streams meanwhile" (roughly 15-30 ns per 128-dim bf16 token).
+MIN_TOKENS_PER_SPLIT = 256  # no split shorter than this: too little to stream for what it costs
+PROGRAMS_PER_SM = 2         # programs an SM streams at once, one computing while the other waits for memory
+MAX_WAVES = 1               # split counts whose programs need more waves lost in the sweep: not tried
+PROGRAM_START_TOKENS = 128  # a program's start: load q and the first tiles before streaming (~2 us)
+MERGE_LAUNCH_TOKENS = 256   # the merge kernel's launch and run (~4 us)
+MERGE_TOKENS_PER_SPLIT = 8  # each split adds one partial output to write and merge
+MAX_SPLITS = 128            # the merge holds a row's partial outputs in registers
 
-    A batch that already gives every SM a program is not split: the merge would cost more than
-    the extra programs give (measured on an H200 at batch 32 x 8 KV heads)."""
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
+                      block_n: int = GPU_BLOCK_N, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """The split count with the shortest estimated decode time.
+
+    Decode streams K/V from memory: a program's time is about the tokens it reads. The
+    ``batch * num_kv_heads * splits`` programs run ``num_sms * programs_per_sm`` at a time, in
+    waves, so a launch lasts about ``waves * (tokens per program + its start)``: splitting pays
+    while it fills slots that would idle. The candidates: one split, and for 1 .. MAX_WAVES
+    waves the most splits whose programs fit in them (the more splits, the shorter each), cut
+    to whole tiles of ``block_n`` tokens as the kernel cuts them, none shorter than
+    ``MIN_TOKENS_PER_SPLIT``. Two splits or more also pay for the merge: a launch, and a little
+    per split. So a batch that fills the slots already stays whole (on an H200, 32 sequences x
+    8 KV heads = 256 programs for 264 slots), and one long sequence is cut in as many splits as
+    fill them (8 KV heads x 32 splits).
+    """
     programs = batch * num_kv_heads
-    if programs >= num_sms:
-        return 1
-    wanted = math.ceil(2 * num_sms / programs)
-    return max(1, min(wanted, math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT)))
+    slots = num_sms * programs_per_sm                   # programs that run at the same time: one wave
+    most = max(1, min(max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
+    candidates = [1] + [min(most, max(1, waves * slots // programs)) for waves in range(1, MAX_WAVES + 1)]
+    best, best_time = 1, None
+    for splits in candidates:
+        tokens = -(-max_seq_len // splits)              # one split's tokens, rounded up to whole tiles
+        tokens = -(-tokens // block_n) * block_n
+        splits = -(-max_seq_len // tokens)              # the fewest splits of that length: none empty
+        time = -(-programs * splits // slots) * (tokens + PROGRAM_START_TOKENS)
+        if splits > 1:
+            time += MERGE_LAUNCH_TOKENS + splits * MERGE_TOKENS_PER_SPLIT
+        if best_time is None or time < best_time:
+            best, best_time = splits, time
+    return best
 
 
+@functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -146,31 +195,41 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     """Attention of ``q [batch, num_heads, head_dim]`` (one token per sequence) over its cache.
 
     ``seq_lens[i]`` tokens of sequence ``i`` (the new one included) are read through
-    ``block_tables[i]``. ``num_splits=None`` picks the split count from the GPU's SM count,
-    the batch, the KV heads and ``max_seq_len`` (read from ``seq_lens`` if not given).
-    Returns ``[batch, num_heads, head_dim]`` in ``q``'s dtype (into ``out`` if given).
+    ``block_tables[i]``. ``q`` may be a view (a fused QKV projection's output, say) as long as
+    ``head_dim`` is contiguous. Returns ``[batch, num_heads, head_dim]`` in ``q``'s dtype (into
+    ``out`` if given).
+
+    ``num_splits=None`` picks the split count (:func:`choose_num_splits`) from the GPU's SM
+    count, the batch, the KV heads and ``max_seq_len`` (read from ``seq_lens`` if not given);
+    ``max_seq_len`` is used for nothing else. ``validate`` (the default) checks every argument
+    first, with one read of the GPU's data for all the value checks. With ``num_splits`` given
+    and ``validate=False`` the call reads nothing back and its grid depends on no length: it
+    can be captured in a CUDA graph and replayed with other ``seq_lens``.
     """
+    longest = None
     if validate:
-        check_paged_decode_args(q, k_cache, v_cache, block_tables, seq_lens, num_splits, out)
+        longest = check_paged_decode_args(q, k_cache, v_cache, block_tables, seq_lens, num_splits, out,
+                                          sm_scale=sm_scale, max_seq_len=max_seq_len)
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
-    q = q.contiguous()
+    if q.stride(2) != 1:
+        q = q.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     if batch == 0:
         return out
-    max_seq_len = grid_length(seq_lens, max_seq_len, "max_seq_len", validate)
     if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's smallest tile), got {block_n!r}")
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device))
     # On a GPU: 128-token tiles, 8 warps, 3 stages in flight won an H200 sweep
     # (benchmarks/tune_attention.py) at both long-batch and one-long-sequence shapes.
     block_n = block_n or (GPU_BLOCK_N if q.is_cuda else INTERPRETER_BLOCK_N)
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = longest if longest is not None else grid_length(seq_lens, None, "max_seq_len", False)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device), block_n=block_n)
     if q.is_cuda:
         num_warps, num_stages = num_warps or 8, num_stages or 3
-    tokens_per_split = triton.cdiv(triton.cdiv(max_seq_len, num_splits), block_n) * block_n
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     final = num_splits == 1
     partial = out if final else torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
@@ -178,7 +237,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, partial, lse, sm_scale,
-        num_kv_heads, block_tables.shape[1], num_splits, tokens_per_split,
+        q.stride(0), q.stride(1), block_tables.stride(0), num_kv_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **launch)
@@ -186,44 +245,3 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
         merge_splits_kernel[(batch * num_heads,)](partial, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   SPLITS_PAD=triton.next_power_of_2(num_splits))
     return out
-
-
-def check_paged_decode_args(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, out=None) -> None:
-    """Raise TypeError/ValueError naming the first argument of paged_decode that breaks a rule."""
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache_pair(k_cache, v_cache)
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError("q must be a [batch, num_heads, head_dim] tensor")
-    if q.dtype != k_cache.dtype:
-        raise TypeError(f"q has dtype {q.dtype}, the cache has {k_cache.dtype}")
-    if q.shape[2] != head_dim or head_dim < 16 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim must match the cache's {head_dim} and be a power of two >= 16, "
-                         f"got q with head_dim {q.shape[2]}")
-    if q.shape[1] % num_kv_heads:
-        raise ValueError(f"q has {q.shape[1]} heads, not a multiple of the cache's {num_kv_heads} KV heads")
-    batch = q.shape[0]
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32:
-            raise TypeError(f"{name} must be an int32 tensor")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch or not block_tables.is_contiguous():
-        raise ValueError(f"block_tables must be a contiguous [{batch}, max_blocks] tensor, "
-                         f"got {list(block_tables.shape)}")
-    if seq_lens.shape != (batch,):
-        raise ValueError(f"seq_lens must have shape [{batch}], got {list(seq_lens.shape)}")
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
-        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
-    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype
-                            or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous tensor like q: {list(q.shape)} {q.dtype}")
-    check_same_device(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables, seq_lens=seq_lens)
-    if batch == 0:
-        return
-    capacity = block_tables.shape[1] * block_size
-    if bool((seq_lens < 1).any()) or bool((seq_lens > capacity).any()):
-        i = int(((seq_lens < 1) | (seq_lens > capacity)).nonzero()[0])
-        raise ValueError(f"seq_lens[{i}] = {int(seq_lens[i])} must be in 1..{capacity} "
-                         f"(block_tables holds {block_tables.shape[1]} blocks of {block_size})")
-    used = torch.arange(block_tables.shape[1], device=q.device)[None, :] * block_size < seq_lens[:, None]
-    bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
-    if bool(bad.any()):
-        i, j = (int(x) for x in bad.nonzero()[0])
-        raise ValueError(f"block_tables[{i}, {j}] = {int(block_tables[i, j])} is out of range 0..{num_blocks - 1}")

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.checks import check_kv_cache_pair, check_same_device
+from kvlab.kernels.checks import check_write_kv_args  # (in checks.py with every launcher's checks)
 
 
 @triton.jit
@@ -41,7 +41,8 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     """Write ``key``/``value`` ``[num_tokens, num_kv_heads, head_dim]`` into the caches.
 
     With ``validate`` (the default) every argument is checked before the launch, slot indices
-    included (which reads ``slot_mapping`` back to the host): a rejected call writes nothing.
+    included (a check kernel finds the smallest and largest slot and any slot named twice; the
+    host reads those three numbers back): a rejected call writes nothing.
     """
     if validate:
         check_write_kv_args(key, value, k_cache, v_cache, slot_mapping)
@@ -54,38 +55,3 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     write_kv_kernel[grid](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
                           ROW=row, BLOCK=block)
 
-
-def check_write_kv_args(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Raise TypeError/ValueError naming the first argument of write_kv that breaks a rule."""
-    num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache_pair(k_cache, v_cache)
-    for name, t in (("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
-            raise ValueError(f"{name} must have shape [num_tokens, {num_kv_heads}, {head_dim}] to match the "
-                             f"cache, got {list(t.shape)}")
-        if t.dtype != k_cache.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype}, the cache has {k_cache.dtype}")
-        if t.stride(2) != 1 or t.stride(1) != head_dim:
-            raise ValueError(f"{name} must be contiguous within a token (strides [*, {head_dim}, 1]), "
-                             f"got strides {list(t.stride())}")
-    if key.shape[0] != value.shape[0]:
-        raise ValueError(f"key has {key.shape[0]} tokens, value has {value.shape[0]}")
-    if not isinstance(slot_mapping, torch.Tensor):
-        raise TypeError(f"slot_mapping must be a torch.Tensor, got {type(slot_mapping).__name__}")
-    if slot_mapping.dtype != torch.int64:
-        raise TypeError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
-    if slot_mapping.shape != (key.shape[0],):
-        raise ValueError(f"slot_mapping must have shape [{key.shape[0]}] (one slot per token), "
-                         f"got {list(slot_mapping.shape)}")
-    check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
-    if slot_mapping.numel():
-        num_slots = num_blocks * block_size
-        bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
-            raise ValueError(f"slot_mapping[{i}] = {int(slot_mapping[i])} is out of range: slots are -1 "
-                             f"(padding) or 0..{num_slots - 1}")
-        real = slot_mapping[slot_mapping >= 0]
-        if real.numel() != torch.unique(real).numel():
-            raise ValueError("slot_mapping names a slot twice: two tokens would race for one slot")

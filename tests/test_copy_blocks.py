@@ -80,3 +80,33 @@ def test_bad_arguments():
         copy_blocks([k, torch.randn(4, 2, 1, 4, device=DEVICE)], torch.tensor([[0, 1]], device=DEVICE))
     with pytest.raises(ValueError, match="block_mapping is on meta"):
         copy_blocks([k], torch.tensor([[0, 1]], device="meta"))
+
+
+def test_races_are_found_across_tiles():
+    """The pair searches compare tiles of 64 pairs, in several programs: a clash far apart is found too."""
+    k = torch.randn(400, 2, 1, 4, device=DEVICE)
+    before = k.clone()
+    pairs = torch.stack([torch.arange(150), torch.arange(200, 350)], dim=1).to(DEVICE)
+    bad = pairs.clone()
+    bad[140, 1] = bad[3, 1]
+    with pytest.raises(ValueError, match="into one dst block twice"):
+        copy_blocks([k], bad)
+    bad = pairs.clone()
+    bad[2, 0] = bad[149, 1]
+    with pytest.raises(ValueError, match="both a src and a dst"):
+        copy_blocks([k], bad)
+    assert torch.equal(k, before)
+    copy_blocks([k], pairs)
+    assert torch.equal(k[200:350], before[:150])
+
+
+def test_default_call_reads_once(monkeypatch):
+    from kvlab.kernels import checks
+
+    reads = []
+    real = checks.read_check
+    monkeypatch.setattr(checks, "read_check", lambda *a, **k: reads.append(1) or real(*a, **k))
+    k = torch.randn(5, 2, 1, 4, device=DEVICE)
+    copy_blocks([k], torch.tensor([[0, 3], [1, 4]], device=DEVICE))
+    copy_blocks([k], torch.tensor([[0, 3], [1, 4]], device=DEVICE), validate=False)
+    assert reads == [1]

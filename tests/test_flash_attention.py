@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 
 from kvlab import profile
 from kvlab.kernels.flash_attention import flash_attention, paged_prefill
-from kvlab.models import attention as attention_module
-from kvlab.models.attention import paged_attention, register_attention_backend, use_attention_backend
+from kvlab.models import backends as backends_module
+from kvlab.models.backends import get_attention_backend, register_attention_backend
 from kvlab.reference import attention_ref, gather_kv, paged_attention_ref
 
 DEVICE = profile.DEVICE
@@ -294,15 +294,14 @@ def test_paged_prefill_agrees_with_packed_flash_attention():
 
 def test_paged_prefill_is_an_engine_attention_backend(monkeypatch):
     # registered into a copy of the registry, which the test's end puts back
-    monkeypatch.setattr(attention_module, "_BACKENDS", dict(attention_module._BACKENDS))
+    monkeypatch.setattr(backends_module, "_REGISTRY", dict(backends_module._REGISTRY))
     gen = torch.Generator().manual_seed(8)
     q, k_cache, v_cache, tables, seq_lens, query_lens = paged_batch(gen, [(6, 3), (0, 5)], 4, 2, 1,
                                                                     HEAD_DIMS[0], torch.float32)
     register_attention_backend("flash-attention-test", paged_prefill)
-    with use_attention_backend("flash-attention-test"):
-        got = paged_attention(q, k_cache, v_cache, tables, seq_lens, query_lens, 0.25)
-    with use_attention_backend("reference"):
-        want = paged_attention(q, k_cache, v_cache, tables, seq_lens, query_lens, 0.25)
+    args = (q, k_cache, v_cache, tables, seq_lens, query_lens, 0.25)
+    got = get_attention_backend("flash-attention-test").fn(*args)
+    want = get_attention_backend("reference").fn(*args)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -477,3 +476,44 @@ def test_too_short_grid_hints_are_refused():
     with pytest.raises(ValueError, match="cu_query_lens"):
         paged_prefill(q, k_cache, k_cache, tables, lens, lens, cu_query_lens=torch.tensor([0, 32], dtype=torch.int32,
                                                                                            device=DEVICE))
+
+
+# -- what a default call costs: one read for every value rule, none for the engine's call ------
+def _count_reads(monkeypatch):
+    """Record the checks' reads (read_check) and the launchers' own reads of a grid length."""
+    import importlib
+
+    from kvlab.kernels import checks
+
+    flash_module = importlib.import_module("kvlab.kernels.flash_attention")
+    reads = []
+    real_check, real_length = checks.read_check, flash_module.grid_length
+    monkeypatch.setattr(checks, "read_check", lambda *a, **k: reads.append("check") or real_check(*a, **k))
+    monkeypatch.setattr(flash_module, "grid_length", lambda *a, **k: reads.append("length") or real_length(*a, **k))
+    return reads
+
+
+def test_default_calls_read_once_and_engine_calls_never(monkeypatch):
+    reads = _count_reads(monkeypatch)
+    args = _flash_args()
+    want = flash_attention(**args)
+    assert reads == ["check"], "the packed grid's max_seqlen_q comes from the checks' read"
+    reads.clear()
+    got = flash_attention(**args, validate=False, max_seqlen_q=3)
+    assert reads == [] and torch.equal(got, want)
+    args = _paged_args()
+    want = paged_prefill(**args)
+    assert reads == ["check"], "max_query_len and cu_query_lens come from the checks' one launch and read"
+    reads.clear()
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32, device=DEVICE)
+    got = paged_prefill(**args, validate=False, max_query_len=3, cu_query_lens=cu)
+    assert reads == [] and torch.equal(got, want)
+    assert torch.equal(paged_prefill(**args, cu_query_lens=cu), want) and reads == ["check"]
+
+
+def test_a_wrong_running_sum_is_refused():
+    out = torch.full((5, 4, D0), 7.0, device=DEVICE)
+    for cu in ([0, 3, 5], [1, 3, 6], [0, 2, 4]):
+        with pytest.raises(ValueError, match="cu_query_lens must be the int32 running sum"):
+            paged_prefill(**_paged_args(), out=out, cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=DEVICE))
+    assert bool((out == 7.0).all())

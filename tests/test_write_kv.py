@@ -133,3 +133,36 @@ def test_bad_input_is_refused_and_writes_nothing(overrides, error, match):
     with pytest.raises(error, match=match):
         write_kv(**args)
     assert torch.equal(args["k_cache"], k_before) and torch.equal(args["v_cache"], v_before)
+
+
+@pytest.mark.parametrize("first,second", [(0, 1), (3, 150), (70, 199), (130, 131)])
+def test_a_slot_named_twice_is_found_anywhere(first, second):
+    """The duplicate search compares tiles of 64 slots, in several programs: pairs in one tile, in two."""
+    slots = torch.randperm(4 * 4 * 16, device=DEVICE)[:200]
+    slots[second] = slots[first]
+    k_cache, v_cache = poisoned_cache(16, 16, 1, 16, torch.float32)
+    key = torch.randn(200, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="names a slot twice"):
+        write_kv(key, key, k_cache, v_cache, slots)
+    assert bool(k_cache.isnan().all()) and bool(v_cache.isnan().all())
+    slots[second] = -1                       # padding may repeat
+    slots[first] = -1
+    write_and_compare(key, key, k_cache, v_cache, slots)
+
+
+def test_default_call_reads_once(monkeypatch):
+    from kvlab.kernels import checks
+
+    reads = []
+    real = checks.read_check
+    monkeypatch.setattr(checks, "read_check", lambda *a, **k: reads.append(1) or real(*a, **k))
+    write_kv(**_args())
+    assert reads == [1]
+    write_kv(**_args(), validate=False)
+    assert reads == [1]
+
+
+def test_a_strided_slot_mapping_is_refused():
+    slots = torch.tensor([0, 9, 5, 9, -1, 9], device=DEVICE)[::2]
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        write_kv(**_args(slot_mapping=slots))
