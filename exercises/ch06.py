@@ -27,12 +27,18 @@ import triton.language as tl
 def split_ranges(seq_len: int, num_splits: int, block_n: int, max_seq_len: int | None = None) -> list[tuple[int, int]]:
     """The token range ``[start, end)`` each of the ``num_splits`` split programs reads of one sequence.
 
-    As in ``decode_split_kernel``: every split has the same length, ``tokens_per_split`` =
-    ceil(max_seq_len / num_splits) rounded *up* to a multiple of ``block_n`` (the kernel reads
-    whole tiles of ``block_n`` tokens); split ``g`` starts at ``g * tokens_per_split``.
-    ``max_seq_len`` is the longest sequence of the batch (default: ``seq_len``), so a short
-    sequence can leave its last splits empty. Cut every range at ``seq_len``: an empty split
-    is ``(seq_len, seq_len)``. Return exactly ``num_splits`` pairs.
+    Every split has the same length, ``tokens_per_split`` = ceil(max_seq_len / num_splits)
+    rounded *up* to a multiple of ``block_n`` (the kernel reads whole tiles of ``block_n``
+    tokens); split ``g`` starts at ``g * tokens_per_split``. Cut every range at ``seq_len``:
+    an empty split is ``(seq_len, seq_len)``. Return exactly ``num_splits`` pairs.
+
+    ``max_seq_len`` (default: ``seq_len``) is the length the splits are cut from.
+    ``decode_split_kernel`` cuts each sequence by its own length: the ranges it reads are
+    ``split_ranges(seq_len, num_splits, block_n)``, i.e. ``max_seq_len = seq_len``, and a
+    sequence of fewer tiles than splits leaves its last splits empty. A larger ``max_seq_len``
+    gives the ranges of a kernel that cuts every sequence of a launch by one shared length,
+    the longest sequence's (computed on the host): there a short sequence can leave more of
+    its last splits empty.
 
     Errors: TypeError for a count that is not an int; ValueError for ``seq_len``,
     ``num_splits`` or ``block_n`` below 1, or ``max_seq_len < seq_len`` (the splits would

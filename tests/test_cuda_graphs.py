@@ -70,3 +70,11 @@ def test_a_padded_replay_writes_only_its_sequences_slots():
     slots = set((changed_slots(cache.k, before_k) | changed_slots(cache.v, before_v)).nonzero().flatten().tolist())
     assert slots == written
     assert torch.isnan(cache.k[:, free]).all()
+
+
+def test_a_backend_that_reads_back_runs_eagerly():
+    """Only a backend marked cuda_graph_safe is captured: the reference reads lengths to the host."""
+    llm = LLM(dtype="float32", max_num_seqs=4, num_gpu_blocks=64, attention_backend="reference")
+    assert llm.model_runner.graphs is None
+    [out] = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4

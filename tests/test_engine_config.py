@@ -57,3 +57,12 @@ def test_graph_buckets():
                         max_model_len=64)
     assert [graphs.bucket(b) for b in (1, 2, 3, 5, 9, 17, 24, 25, 32)] == [1, 2, 4, 8, 16, 24, 24, 32, 32]
     assert graphs.bucket(33) is None          # larger batches run eagerly
+
+
+def test_only_graph_safe_backends_are_captured():
+    from kvlab.models import get_attention_backend
+
+    assert get_attention_backend("triton").cuda_graph_safe
+    assert not get_attention_backend("reference").cuda_graph_safe
+    assert not get_attention_backend("torch").cuda_graph_safe
+    assert not get_attention_backend(lambda *a: None).cuda_graph_safe

@@ -69,7 +69,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.backend = pick_attention_backend(attention_backend, self.device)
-        use_graphs = self.device.type == "cuda" and not enforce_eager
+        use_graphs = self.device.type == "cuda" and not enforce_eager and self.backend.cuda_graph_safe
         graph_sizes = (cudagraph_batch_sizes or [1, 2, 4, 8]) if use_graphs else []
         if num_gpu_blocks is None:
             num_gpu_blocks = self.default_num_blocks(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,

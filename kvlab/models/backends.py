@@ -15,7 +15,9 @@ the course:
   chunks, speculative verification) to :func:`~kvlab.kernels.paged_prefill` (chapter 5).
 
 A learner's own backend plugs in by name (:func:`register_attention_backend`) or as the
-function itself: ``LLM(attention_backend=my_fn)``. Keyword parameters of the function named
+function itself: ``LLM(attention_backend=my_fn)``. Decode steps replay CUDA graphs only through
+a backend marked ``fn.cuda_graph_safe = True`` (it reads nothing back to the host); any other
+runs eagerly. Keyword parameters of the function named
 like one of :data:`HINTS` receive what the engine knows about the step up front (so a kernel
 needs no read back to the host): the step's phase, the longest sequence and query, the
 queries' offsets, the split count a CUDA graph fixed, and the new tokens' K/V.
@@ -84,6 +86,11 @@ def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_s
                          v_new=v_new, max_query_len=max_query_len, cu_query_lens=cu_query_lens, validate=False)
 
 
+# A backend that reads nothing back to the host can be recorded in a CUDA graph; one that does
+# (the references read the lengths) runs eagerly. Mark your own with ``fn.cuda_graph_safe = True``.
+triton_backend.cuda_graph_safe = True
+
+
 _REGISTRY: dict[str, Callable] = {"reference": reference_backend, "torch": torch_backend,
                                   "triton": triton_backend}
 
@@ -95,6 +102,11 @@ class AttentionBackend:
     name: str
     fn: Callable
     hints: frozenset
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether a step through it can be captured as a CUDA graph (no reads to the host)."""
+        return bool(getattr(self.fn, "cuda_graph_safe", False))
 
     def __call__(self, q, k_cache, v_cache, sm_scale, ctx, **extra) -> torch.Tensor:
         """Attend through ``ctx`` (an :class:`~kvlab.models.context.AttentionContext`);

@@ -56,8 +56,10 @@ def split_colour(split: int) -> tuple:
 def tokens_per_split(max_seq_len: int, num_splits: int, block_n: int) -> int:
     """Tokens of each split: ceil(max_seq_len / num_splits), rounded up to whole tiles of ``block_n``.
 
-    The kernel computes it once per launch, from the batch's longest sequence, so a shorter
-    sequence fills fewer splits and leaves the last ones empty.
+    ``decode_split_kernel`` computes it for each sequence from that sequence's own length
+    (``max_seq_len = seq_len``), so a sequence of fewer tiles than splits leaves its last
+    splits empty. Given a batch's longest sequence instead, it is the one split length a kernel
+    that shares it across the launch would use.
     """
     _check_int("max_seq_len", max_seq_len, 1)
     _check_int("num_splits", num_splits, 1)
@@ -70,8 +72,10 @@ def split_token_ranges(seq_len: int, num_splits: int, block_n: int,
     """Token range ``[start, end)`` that each split program reads of one sequence.
 
     Split ``g`` covers ``[g * tokens_per_split, (g + 1) * tokens_per_split)`` cut at
-    ``seq_len``; an empty split is ``(seq_len, seq_len)``. ``max_seq_len`` is the batch's
-    longest sequence (default ``seq_len``).
+    ``seq_len``; an empty split is ``(seq_len, seq_len)``. ``max_seq_len`` is the length the
+    splits are cut from: by default ``seq_len``, as ``decode_split_kernel`` cuts each sequence;
+    a larger one (the batch's longest sequence) gives the ranges of one split length shared by
+    the whole launch.
     """
     _check_int("seq_len", seq_len, 1)
     max_seq_len = seq_len if max_seq_len is None else _check_int("max_seq_len", max_seq_len, 1)
@@ -389,10 +393,14 @@ class SplitPages:
         raise ValueError(f"position {pos} is outside the sequence's {self.seq_len} tokens")
 
 
-def pages_per_split(pool, num_splits: int, block_n: int, seq_ids=None) -> list[SplitPages]:
+def pages_per_split(pool, num_splits: int, block_n: int, seq_ids=None, *,
+                    per_sequence: bool = False) -> list[SplitPages]:
     """:class:`SplitPages` of ``seq_ids`` (default: every sequence of ``pool``), as one decode launch.
 
-    The split length comes from the longest of these sequences, as in the kernel.
+    ``per_sequence=True`` cuts each sequence by its own length, as ``decode_split_kernel``
+    does: these are the ranges the kernel reads. The default, ``False``, gives every sequence
+    the split length of the longest of them: one length shared by the launch, as a kernel that
+    computes it on the host would use.
     """
     seq_ids = list(pool.block_tables) if seq_ids is None else list(seq_ids)
     if not seq_ids:
@@ -402,9 +410,10 @@ def pages_per_split(pool, num_splits: int, block_n: int, seq_ids=None) -> list[S
             raise ValueError(f"seq_ids: {seq!r} is not in the pool")
     lens = {seq: int(pool.seq_lens[seq]) for seq in seq_ids}
     longest = max(lens.values())
-    size = tokens_per_split(longest, num_splits, block_n)
-    return [SplitPages(seq, lens[seq], int(pool.block_size), tuple(int(b) for b in pool.block_tables[seq]), size,
-                       tuple(split_token_ranges(lens[seq], num_splits, block_n, longest)))
+    cut_from = {seq: n if per_sequence else longest for seq, n in lens.items()}
+    return [SplitPages(seq, lens[seq], int(pool.block_size), tuple(int(b) for b in pool.block_tables[seq]),
+                       tokens_per_split(cut_from[seq], num_splits, block_n),
+                       tuple(split_token_ranges(lens[seq], num_splits, block_n, cut_from[seq])))
             for seq in seq_ids]
 
 
@@ -485,8 +494,14 @@ def draw_split_pages(pool, layouts, title: str = "", columns: int = 16) -> Figur
     fig.legend(handles=handles, loc="lower left", ncols=min(len(handles), 6), fontsize=7.5, frameon=False,
                bbox_to_anchor=(0.1 / width, 0.0))
     heading = title or "Pages read by each split"
-    fig.text(0.2 / width, 1 - 0.1 / height, f"{heading}\n{splits} splits of up to {layouts[0].tokens_per_split} "
-             f"tokens, block size {layouts[0].block_size}", ha="left", va="top", fontsize=10)
+    sizes = [layout.tokens_per_split for layout in layouts]
+    if len(set(sizes)) == 1:
+        cut = f"{splits} splits of up to {sizes[0]} tokens"
+    else:       # each sequence cut by its own length, as the kernel does
+        cut = (f"{splits} splits, each sequence cut by its own length (tokens per split: "
+               + ", ".join(f"{layout.seq_id} {size}" for layout, size in zip(layouts, sizes)) + ")")
+    fig.text(0.2 / width, 1 - 0.1 / height, f"{heading}\n{cut}, block size {layouts[0].block_size}",
+             ha="left", va="top", fontsize=10)
     return fig
 
 
