@@ -512,6 +512,8 @@ def check_flash_attention_args(q, k, v, causal, sm_scale, cu_seqlens_q, cu_seqle
     Returns the longest query length of the packed form (from the checks' one read), None in the
     batched form (which reads nothing).
     """
+    if not isinstance(causal, bool):       # "no" is truthy: it would run causal attention
+        raise TypeError(f"causal must be True or False, got {causal!r}")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     dims, what = ((3, "[total_tokens, heads, head_dim] (packed, with cu_seqlens)") if varlen
                   else (4, "[batch, heads, len, head_dim]"))

@@ -334,3 +334,11 @@ def fresh_kv(model, tokens) -> torch.Tensor:
             x, residual = layer.post_attention_layernorm(x, residual)
             x = layer.mlp(x)
     return torch.stack(ks)
+
+
+def test_causal_must_be_a_bool():
+    from kvlab.kernels import flash_attention
+
+    q = torch.randn(1, 2, 16, 16)
+    with pytest.raises(TypeError, match="causal"):
+        flash_attention(q, q, q, causal="no")
