@@ -47,30 +47,47 @@ def torch_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
                   max_query_len=None, cu_query_lens=None):
     """Gather-then-attend for the whole batch at once (padded to the longest sequence)."""
     batch, (num_blocks, block_size, num_kv_heads, head_dim) = seq_lens.shape[0], k_cache.shape
+    pages, rows, real, missing, mask = _batch_plan(block_tables, seq_lens, query_lens, block_size, q.shape[0],
+                                                   max_seq_len, max_query_len, cu_query_lens)
+    # Slots past a sequence's end may hold anything, NaN included, and a masked key's zero
+    # weight times a NaN value is still NaN: zero them (in the gathered copy).
+    k = k_cache[pages].reshape(batch, -1, num_kv_heads, head_dim).masked_fill_(missing, 0.0).transpose(1, 2)
+    v = v_cache[pages].reshape(batch, -1, num_kv_heads, head_dim).masked_fill_(missing, 0.0).transpose(1, 2)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qp = q[rows].transpose(1, 2)                                                     # [B, H, Qmax, D]
+    out = torch.nn.functional.scaled_dot_product_attention(qp.to(dtype), k.to(dtype), v.to(dtype),
+                                                           attn_mask=mask, scale=sm_scale, enable_gqa=True)
+    return out.transpose(1, 2)[real].to(q.dtype)                                     # [num_tokens, H, D]
+
+
+_last_plan: tuple = ((), None)     # (what it was made from, the plan)
+
+
+def _batch_plan(block_tables, seq_lens, query_lens, block_size, num_tokens, max_seq_len, max_query_len,
+                cu_query_lens):
+    """The indices and masks of a step's padded batch, the same in every layer: made once per step.
+    Every layer of a step hands the same tensor objects (a context builds new ones per step and
+    this backend is never replayed from a CUDA graph, so none is changed in place meanwhile)."""
+    global _last_plan
+    key = (block_tables, seq_lens, query_lens, num_tokens)
+    if len(_last_plan[0]) == 4 and all(a is b for a, b in zip(_last_plan[0][:3], key)) and _last_plan[0][3] == num_tokens:
+        return _last_plan[1]
     max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     max_query_len = int(query_lens.max()) if max_query_len is None else max_query_len
     if cu_query_lens is None:
         cu_query_lens = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0))
     pages = block_tables[:, :-(-max_seq_len // block_size)].long()
-    k = k_cache[pages].reshape(batch, -1, num_kv_heads, head_dim).transpose(1, 2)     # [B, KV, L, D]
-    v = v_cache[pages].reshape(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
     # Query i of sequence b is packed row cu[b] + i (rows past its query_len are padding).
-    i = torch.arange(max_query_len, device=q.device)
-    rows = (cu_query_lens[:-1, None] + i).clamp(max=q.shape[0] - 1)
+    i = torch.arange(max_query_len, device=seq_lens.device)
+    rows = (cu_query_lens[:-1, None] + i).clamp(max=num_tokens - 1)
     real = i < query_lens[:, None]                                                   # [B, Qmax]
-    qp = q[rows].transpose(1, 2)                                                     # [B, H, Qmax, D]
-    # Slots past a sequence's end may hold anything, NaN included, and a masked key's zero
-    # weight times a NaN value is still NaN: zero them.
-    j = torch.arange(k.shape[2], device=q.device)
-    exists = (j[None, :] < seq_lens[:, None])[:, None, :, None]                      # [B, 1, L, 1]
-    k, v = k.where(exists, 0.0), v.where(exists, 0.0)
+    j = torch.arange(pages.shape[1] * block_size, device=seq_lens.device)
+    missing = (j[None, :] >= seq_lens[:, None])[:, :, None, None]                     # [B, L, 1, 1]
     # Bottom-right causal: query i of b sees keys 0 .. seq_len - query_len + i.
     last_key = (seq_lens - query_lens)[:, None] + i                                  # [B, Qmax]
-    mask = j[None, None, :] <= last_key[:, :, None]
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = torch.nn.functional.scaled_dot_product_attention(qp.to(dtype), k.to(dtype), v.to(dtype),
-                                                           attn_mask=mask[:, None], scale=sm_scale, enable_gqa=True)
-    return out.transpose(1, 2)[real].to(q.dtype)                                     # [num_tokens, H, D]
+    mask = (j[None, None, :] <= last_key[:, :, None])[:, None]                       # [B, 1, Qmax, L]
+    _last_plan = (key, (pages, rows, real, missing, mask))
+    return _last_plan[1]
 
 
 def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, phase="mixed",

@@ -135,8 +135,11 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"position {top} is beyond max_position_embeddings "
                                  f"({self.rotary.max_positions})")
         x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
-            x, residual = layer(x, residual, positions, ctx)
+        try:
+            for layer in self.model.layers:
+                x, residual = layer(x, residual, positions, ctx)
+        finally:
+            self.rotary.forget()     # its lookup of these positions served every layer
         x, _ = self.model.norm(x, residual)
         return x
 
@@ -150,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden] -> [..., vocab]``."""
-        return self.lm_head(hidden)
+        return ops.lm_head(hidden, self.lm_head.weight)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -91,6 +91,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.max_positions = config.max_position_embeddings
+        self._last = None        # (positions, their (cos, sin)) of the forward under way
         self._tables = {torch.device("cpu"): (emb.cos() * scale, emb.sin() * scale)}
 
     def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,8 +102,16 @@ class RotaryEmbedding(nn.Module):
         return self._tables[device]
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a forward asks for the same positions tensor: look it up once. (The
+        # model forgets it when the forward ends: see LlamaForCausalLM.forward.)
+        if self._last is not None and self._last[0] is positions:
+            return self._last[1]
         cos, sin = self.tables(positions.device)
-        return cos[positions], sin[positions]
+        self._last = (positions, (cos[positions], sin[positions]))
+        return self._last[1]
+
+    def forget(self) -> None:
+        self._last = None
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
