@@ -78,3 +78,27 @@ def test_a_backend_that_reads_back_runs_eagerly():
     assert llm.model_runner.graphs is None
     [out] = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert len(out.outputs[0].token_ids) == 4
+
+
+def test_uniform_steps_replay_their_own_graphs():
+    """A step of q = 3 new tokens per sequence (speculative verification's shape) replays a graph
+    captured for q = 3, through paged_prefill, and gives the eager step's logits."""
+    from kvlab.engine.scheduler import ScheduledSequence, SchedulerOutput
+    from kvlab.engine.sequence import Sequence
+
+    results = []
+    for eager in (True, False):
+        llm = LLM(dtype="float32", max_num_seqs=4, num_gpu_blocks=64, enforce_eager=eager)
+        llm.model_runner.capture_uniform_graphs(3)
+        assert bool(llm.model_runner.uniform_graphs) == (not eager)
+        pool, prefill, verify = llm.pool, [], []
+        for i, prompt in enumerate([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]]):
+            seq = Sequence(i, str(i), prompt)
+            pool.allocate(i, len(prompt))
+            table = pool.block_table(i)
+            prefill.append(ScheduledSequence(seq, 0, len(prompt) - 3, block_table=table))   # eager, both runs
+            verify.append(ScheduledSequence(seq, len(prompt) - 3, 3, block_table=table))
+        llm.model_runner.compute_logits(SchedulerOutput(scheduled=prefill, block_size=pool.block_size))
+        assert (llm.model_runner._graphs_for([3, 3]) is None) == eager
+        results.append(llm.model_runner.compute_logits(SchedulerOutput(scheduled=verify, block_size=pool.block_size)))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)

@@ -32,7 +32,7 @@ from kvlab.accounting import ModelSpec, kv_bytes_per_token
 from kvlab.engine.cuda_graphs import CudaGraphs
 from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.models.backends import get_attention_backend
-from kvlab.models.context import DECODE, build_attention_context, step_phase
+from kvlab.models.context import DECODE, UNIFORM, build_attention_context, step_phase
 from kvlab.paging.block_pool import blocks_needed, check_count
 from kvlab.paging.kv_cache import allocate_kv_cache
 
@@ -78,10 +78,24 @@ class ModelRunner:
         c = self.config
         self.kv_cache = allocate_kv_cache(c.num_layers, num_gpu_blocks, block_size, c.num_kv_heads, c.head_dim,
                                           dtype=model.dtype, device=self.device)
-        self.graphs = None
+        self.graphs = None                                   # decode steps
+        self.uniform_graphs: dict[int, CudaGraphs] = {}      # steps of q > 1 tokens per sequence, by q
+        self._graph_sizes = graph_sizes
         if graph_sizes:
             self.graphs = CudaGraphs(self.model, self.kv_cache, self.backend, graph_sizes, self.max_model_len)
             self.graphs.capture()
+
+    def capture_uniform_graphs(self, query_len: int) -> None:
+        """Also replay steps of ``query_len`` new tokens for every sequence (the uniform phase:
+        verifying k + 1 speculative tokens) from CUDA graphs, one per batch-size bucket. Their
+        activations come out of what the cache left (``gpu_memory_utilization``'s headroom).
+        Without graphs (CPU, ``enforce_eager``) it does nothing."""
+        check_count("query_len", query_len, minimum=2)
+        if self._graph_sizes and query_len not in self.uniform_graphs:
+            graphs = CudaGraphs(self.model, self.kv_cache, self.backend, self._graph_sizes, self.max_model_len,
+                                query_len=query_len)
+            graphs.capture()
+            self.uniform_graphs[query_len] = graphs
 
     @property
     def num_blocks(self) -> int:
@@ -147,11 +161,19 @@ class ModelRunner:
         tables = [s.block_table for s in items]
         query_lens = [s.num_new for s in items]
         rows = [end - 1 for s, end in zip(items, _running_sum(query_lens)) for _ in range(1 + len(s.forks))]
-        if self.graphs is not None and step_phase(query_lens) == DECODE and self.graphs.bucket(len(items)):
-            logits = self.graphs.run(ids, positions, out.slot_mapping(), tables, [s.seq_len for s in items])
-            return (logits if rows == list(range(len(items))) else logits[rows]).float()
+        graphs = self._graphs_for(query_lens)
+        if graphs is not None:
+            logits = graphs.run(ids, positions, out.slot_mapping(), tables, [s.seq_len for s in items])
+            return (logits if rows == list(range(len(ids))) else logits[rows]).float()
         hidden = self.forward(ids, positions, tables, [s.start for s in items], query_lens, out.slot_mapping())
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
+
+    def _graphs_for(self, query_lens: list[int]) -> CudaGraphs | None:
+        """The captured graphs that can replay a step of these query lengths, or None (eager)."""
+        phase = step_phase(query_lens)
+        graphs = self.graphs if phase == DECODE else self.uniform_graphs.get(query_lens[0]) if phase == UNIFORM \
+            else None
+        return graphs if graphs is not None and graphs.bucket(len(query_lens)) else None
 
     def forward(self, ids, positions, tables, starts, query_lens, slots) -> torch.Tensor:
         """An eager forward of one step from host lists: the hidden states of every new token."""
