@@ -342,3 +342,34 @@ def test_causal_must_be_a_bool():
     q = torch.randn(1, 2, 16, 16)
     with pytest.raises(TypeError, match="causal"):
         flash_attention(q, q, q, causal="no")
+
+
+def test_the_plug_in_points(model):
+    """A learner's pool, sampler and attention backend run inside the real engine."""
+    from kvlab.engine.sampler import sample
+    from kvlab.reference import paged_attention_ref
+
+    calls = {"pool": 0, "sampler": 0, "backend": 0}
+
+    class MyPool(BlockPool):
+        def allocate(self, *args, **kw):
+            calls["pool"] += 1
+            return super().allocate(*args, **kw)
+
+    def my_sampler(logits, *args):
+        calls["sampler"] += 1
+        return sample(logits, *args)
+
+    def my_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale):
+        calls["backend"] += 1
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_lens,
+                                   sm_scale=sm_scale).to(q.dtype)
+
+    llm = engine(model, attention_backend=my_backend)
+    llm.use_pool(MyPool(llm.model_runner.num_blocks, BLOCK))
+    llm.sampler = my_sampler
+    [out] = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == alone(model, [1, 2, 3])
+    assert calls == {"pool": 1, "sampler": GREEDY.max_tokens, "backend": GREEDY.max_tokens * model.config.num_layers}
+    with pytest.raises(ValueError, match="blocks"):
+        llm.use_pool(BlockPool(3, BLOCK))
