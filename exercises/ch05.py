@@ -53,7 +53,9 @@ def online_softmax_update(acc, m_i, l_i, s, v):
     order, and divides ``acc`` by ``l_i`` at the end. Every query sees key 0, which is in the
     first tile, so ``m_i`` is finite from the first call on. Useful: ``tl.max(x, 1)``,
     ``tl.sum(x, 1)``, ``tl.maximum``, ``tl.exp``, ``tl.dot(p, v)``, ``x[:, None]``. In the
-    interpreter you can ``print`` inside it.
+    interpreter you can ``print`` inside it. (If you add a mask: a block ``&`` a scalar condition
+    is refused by Triton 3.9's CPU interpreter, "mask has unsupported dtype"; use ``tl.where``
+    on the scalar, e.g. ``cols < tl.where(ok, N, 0)``, so the mask is one comparison.)
     """
     raise NotImplementedError("online_softmax_update: raise the running max, rescale the past (l_i and acc) "
                               "by alpha = exp(m_old - m_new), then add this tile's exp(s - m_new) terms")

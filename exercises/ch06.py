@@ -94,6 +94,10 @@ def merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
     * ``tl.arange`` needs a power of two: load ``SPLITS_PAD >= num_splits`` splits and mask the
       padding (lse -inf for padding makes its weight 0);
     * an empty split (lse = -inf) may hold NaN in ``partial_ptr``: mask it out of the load.
+    * ``&`` of two block masks is fine (``(splits < num_splits) & (lse > float("-inf"))``); a
+      block ``&`` a scalar condition (``(dims < HEAD_DIM) & (row >= 0)``) runs on a GPU but Triton
+      3.9's CPU interpreter rejects it ("mask has unsupported dtype"): fold the scalar into the
+      bound instead, ``dims < tl.where(row >= 0, HEAD_DIM, 0)``, so the mask is one comparison.
     """
     raise NotImplementedError("merge_splits_kernel: load the row's lse (masked), weights = exp(lse - max), load the "
                               "partials of splits that exist and hold tokens, store sum(w * partial) / sum(w)")

@@ -52,3 +52,91 @@ def test_profile_resolve():
     with pytest.raises(ValueError, match="profile must be one of"):
         kvlab.profile.resolve("tpu")
     assert kvlab.profile.pick(cpu=1, gpu=2, profile="cpu") == 1
+
+
+# -- what the grader tells a learner -----------------------------------------------------------
+def course_copy(tmp_path, monkeypatch):
+    """A copy of the course the grader runs on, so a test can plant a learner's file."""
+    for folder in ("exercises", "solutions"):
+        shutil.copytree(grading.ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "tests").mkdir()
+    shutil.copy(grading.ROOT / "tests" / "conftest.py", tmp_path / "tests")
+    shutil.copytree(grading.ROOT / "tests" / "graded", tmp_path / "tests" / "graded",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(grading.ROOT / "pyproject.toml", tmp_path)
+    monkeypatch.setattr(grading, "ROOT", tmp_path)
+    return tmp_path
+
+
+def plant(root, chapter, old, new):
+    path = root / "exercises" / f"{chapter}.py"
+    text = path.read_text()
+    assert old in text, old
+    path.write_text(text.replace(old, new))
+
+
+def test_a_wrong_answer_shows_expected_got_and_the_learners_line(tmp_path, monkeypatch):
+    root = course_copy(tmp_path, monkeypatch)
+    off_by_one = ("    return [block_table[pos // block_size] * block_size + pos % block_size\n"
+                  "            for pos in range(start + 1, start + num_tokens + 1)]\n")
+    stub = '    raise NotImplementedError("slot_mapping: slot = physical block * block_size + offset in block")\n'
+    plant(root, "ch02", stub, off_by_one)
+    report = grading.grade("ch02")
+    task = next(t for t in report.tasks if t.task == "slot_mapping")
+    assert not task.ok
+    table = report.table()
+    assert "test_slot_mapping_worked_example" in table
+    assert "got:      [15, 28, 29, 30, 31]" in table and "expected: [14, 15, 28, 29, 30]" in table, table
+    line = next(i for i, text in enumerate((root / "exercises" / "ch02.py").read_text().splitlines(), 1)
+                if "for pos in range(start + 1" in text)
+    # the random test runs off the end of the table: the traceback goes through the learner's line
+    assert f"exercises/ch02.py:{line - 1}: return [block_table[pos // block_size]" in table, table
+
+
+KERNEL_BODY = '''    raise NotImplementedError("write_kv_kernel: load the slot, load the K and V rows, store them "
+                              "at slot * ROW (masked; skip slot -1: mask = cols < tl.where(slot >= 0, ROW, 0))")'''
+
+
+def kernel_body(store_offset):
+    return f"""    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    slot = tl.load(slot_mapping_ptr + token)
+    mask = cols < ROW
+    k = tl.load(key_ptr + token * key_token_stride + cols, mask=mask)
+    v = tl.load(value_ptr + token * value_token_stride + cols, mask=mask)
+    tl.store(k_cache_ptr + {store_offset} + cols, k, mask=mask)
+    tl.store(v_cache_ptr + {store_offset} + cols, v, mask=mask)"""
+
+
+def test_a_crashing_kernel_fails_its_task_only(tmp_path, monkeypatch):
+    root = course_copy(tmp_path, monkeypatch)
+    shutil.copy(root / "solutions" / "ch02.py", root / "exercises" / "ch02.py")
+    plant(root, "ch02", "def write_kv(key, value, k_cache, v_cache, slot_mapping):\n",
+          "def write_kv(key, value, k_cache, v_cache, slot_mapping):\n    import os; os.abort()\n")
+    report = grading.grade("ch02")
+    tasks = {t.task: t for t in report.tasks}
+    assert not report.error and set(tasks) == {"block_pool", "slot_mapping", "write_kv_kernel"}, report.table()
+    assert tasks["block_pool"].ok and tasks["slot_mapping"].ok, report.table()
+    crashed = tasks["write_kv_kernel"]
+    assert crashed.crashed and not crashed.ok and crashed.failed == 2
+    table = report.table()
+    assert "write_kv_kernel" in crashed.first_failure and "Aborted" in crashed.first_failure, table
+    assert "out-of-bounds load or store" in table and "os.abort()" in table, table
+
+
+def test_a_store_past_the_slot_is_caught(tmp_path, monkeypatch):
+    root = course_copy(tmp_path, monkeypatch)
+    plant(root, "ch02", KERNEL_BODY, kernel_body("slot * ROW"))        # slot -1 is not skipped
+    report = grading.grade("ch02")
+    task = next(t for t in report.tasks if t.task == "write_kv_kernel")
+    assert not task.ok and task.failed == 2
+    assert "wrote before the start of `k_cache`" in task.first_failure, report.table()
+
+
+def test_the_canary_catches_a_store_past_the_end(tmp_path, monkeypatch):
+    root = course_copy(tmp_path, monkeypatch)
+    plant(root, "ch02", KERNEL_BODY, kernel_body("tl.where(slot >= 0, slot, 23) * ROW + ROW"))
+    report = grading.grade("ch02")
+    task = next(t for t in report.tasks if t.task == "write_kv_kernel")
+    assert "wrote past the end of `k_cache`" in task.first_failure, report.table()
+    assert "check the store mask" in task.first_failure

@@ -133,7 +133,7 @@ def test_slot_mapping_beyond_the_table(ch02):
 # -- write_kv_kernel -------------------------------------------------------------------------
 @pytest.mark.task("write_kv_kernel")
 @pytest.mark.parametrize("dtype,num_kv_heads,head_dim", [(torch.float32, 2, 16), (torch.float16, 3, 8)])
-def test_write_kv_kernel_matches_reference(ch02, dtype, num_kv_heads, head_dim):
+def test_write_kv_kernel_matches_reference(ch02, guard, dtype, num_kv_heads, head_dim):
     gen = torch.Generator().manual_seed(1)
     num_blocks, block_size, num_tokens = 6, 4, 13
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
@@ -143,10 +143,11 @@ def test_write_kv_kernel_matches_reference(ch02, dtype, num_kv_heads, head_dim):
     # kvlab.check grades on the CPU interpreter; plain pytest on a GPU machine compiles natively.
     slots, key, value = slots.to(profile.DEVICE), key.to(profile.DEVICE), value.to(profile.DEVICE)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=profile.DEVICE)
-    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=profile.DEVICE)
+    k_cache = guard.full(shape, float("nan"), dtype=dtype, device=profile.DEVICE, name="k_cache")
+    v_cache = guard.full(shape, float("nan"), dtype=dtype, device=profile.DEVICE, name="v_cache")
     k_want, v_want = k_cache.clone(), v_cache.clone()
     ch02.write_kv(key, value, k_cache, v_cache, slots)
+    guard.check()                                           # nothing stored outside the caches
     write_kv_ref(key, value, k_want, v_want, slots)
     for name, got, want in (("k_cache", k_cache, k_want), ("v_cache", v_cache, v_want)):
         same = (got == want) | (got.isnan() & want.isnan())

@@ -70,20 +70,21 @@ KERNEL_CASES = [(37, 37, 2, 1, True), (5, 29, 2, 2, True), (1, 20, 4, 2, True), 
                 (16, 48, 1, 1, True)]
 
 
-def run_kernel(ch05, num_q, num_k, num_heads, num_kv_heads, causal, sm_scale=None, seed=0):
+def run_kernel(ch05, guard, num_q, num_k, num_heads, num_kv_heads, causal, sm_scale=None, seed=0):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(num_q, num_heads, 16, generator=gen).to(profile.DEVICE)
     k = torch.randn(num_k, num_kv_heads, 16, generator=gen).to(profile.DEVICE)
     v = torch.randn(num_k, num_kv_heads, 16, generator=gen).to(profile.DEVICE)
-    out = torch.full_like(q, float("nan"))       # a row the kernel forgets to write stays NaN
+    out = guard.full(q.shape, float("nan"), device=profile.DEVICE)   # a row the kernel forgets to write stays NaN
     ch05.attention(q, k, v, causal=causal, sm_scale=sm_scale, out=out)
+    guard.check()                                # nothing stored outside `out`
     return out, reference(q, k, v, causal, sm_scale)
 
 
 @pytest.mark.task("online_softmax")
 @pytest.mark.parametrize("num_q,num_k,num_heads,num_kv_heads,causal", KERNEL_CASES)
-def test_kernel_matches_reference(ch05, num_q, num_k, num_heads, num_kv_heads, causal):
-    out, want = run_kernel(ch05, num_q, num_k, num_heads, num_kv_heads, causal, seed=num_q + num_k)
+def test_kernel_matches_reference(ch05, guard, num_q, num_k, num_heads, num_kv_heads, causal):
+    out, want = run_kernel(ch05, guard, num_q, num_k, num_heads, num_kv_heads, causal, seed=num_q + num_k)
     assert not bool(out.isnan().any()), f"{int(out.isnan().sum())} NaN in the output"
     err = relative_error(out, want)
     assert err < 1e-4, (f"attention(num_q={num_q}, num_k={num_k}, heads {num_heads}/{num_kv_heads}, "
@@ -91,8 +92,8 @@ def test_kernel_matches_reference(ch05, num_q, num_k, num_heads, num_kv_heads, c
 
 
 @pytest.mark.task("online_softmax")
-def test_kernel_survives_large_scores(ch05):
-    out, want = run_kernel(ch05, 20, 40, 1, 1, True, sm_scale=60.0, seed=7)
+def test_kernel_survives_large_scores(ch05, guard):
+    out, want = run_kernel(ch05, guard, 20, 40, 1, 1, True, sm_scale=60.0, seed=7)
     assert bool(torch.isfinite(out).all()), "inf or NaN in the output: subtract the running max before exp"
     err = relative_error(out, want)
     assert err < 1e-4, f"relative error {err:.2e} with sm_scale=60"
