@@ -32,7 +32,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kvlab import profile
+# The tile sizes are planned without Triton, in kvlab.kernel_plan (re-exported here); its
+# causal_tile_bounds is the Python twin of _causal_bounds below.
+from kvlab.kernel_plan import SHARED_MEMORY_BUDGET, tile_config  # noqa: F401
+from kvlab.kernel_plan import launch_config as _launch_config
 # The argument checks live in kvlab.kernels.checks (with every other launcher's); re-exported here.
 from kvlab.kernels.checks import (  # noqa: F401
     DTYPES as _DTYPES,
@@ -319,56 +322,6 @@ def paged_prefill_kernel(
 
 
 # -- launchers -----------------------------------------------------------------------------
-def tile_config(head_dim: int, max_len_q: int | None = None) -> dict:
-    """``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` for this machine and head size.
-
-    On a GPU: the configs that won a sweep on an H200 (``benchmarks/tune_attention.py``).
-    Long sequences take 128 x 128 tiles, which reuse each loaded tile the most; short ones
-    (up to 2K queries) take 64 x 64 tiles, which give the SMs more, shorter programs (causal
-    programs near the start of a sequence have little to do). ``head_dim`` 256 takes smaller
-    tiles so they still fit in shared memory. In the interpreter, 16 x 16 tiles let the short
-    sequences it can run in seconds still cross several tiles, so the loop, the causal
-    diagonal and the ragged end all run. ``BLOCK_M`` shrinks for short queries (a decode step
-    has one), never below 16, the smallest ``tl.dot``.
-    """
-    long = max_len_q is None or max_len_q > 2048
-    if profile.INTERPRETED:
-        cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
-    elif head_dim <= 128 and long:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4 if head_dim <= 64 else 8, num_stages=3)
-    elif head_dim <= 128:
-        cfg = dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-    else:
-        cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
-    if max_len_q is not None:
-        cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], triton.next_power_of_2(max(max_len_q, 1))))
-        if cfg["BLOCK_M"] < 64 and not profile.INTERPRETED:
-            cfg["num_warps"] = 4   # too few rows to share among 8 warps
-    return cfg
-
-
-SHARED_MEMORY_BUDGET = 200 * 1024   # bytes of K/V stages; an H100/H200 SM has 227 KiB for one program
-
-
-def _launch_config(head_dim, max_len_q, block_m, block_n, num_warps, num_stages, element_size=2) -> dict:
-    cfg = tile_config(head_dim, max_len_q)
-    for key, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
-                       ("num_stages", num_stages)):
-        if value is not None:
-            cfg[key] = value
-    for key in ("BLOCK_M", "BLOCK_N"):
-        if cfg[key] < 16 or cfg[key] & (cfg[key] - 1):
-            raise ValueError(f"{key.lower()} must be a power of two >= 16 (tl.dot's smallest tile), got {cfg[key]}")
-    if num_stages is None:
-        # Each stage in flight holds a K and a V tile in shared memory: fewer stages for float32
-        # or wide tiles, so the program still fits on an SM.
-        # (A rough bound that held on an H200: bf16 128 x 128 tiles of head_dim 128 fit 3 stages.)
-        per_stage = 2 * cfg["BLOCK_N"] * head_dim * element_size
-        while cfg["num_stages"] > 1 and cfg["num_stages"] * per_stage > SHARED_MEMORY_BUDGET:
-            cfg["num_stages"] -= 1
-    return cfg
-
-
 def _tile_descriptor(t: torch.Tensor, rows: int, varlen: bool):
     """A tensor descriptor of ``t`` whose tiles are ``rows`` tokens of one head (see ``_load_tile``).
 

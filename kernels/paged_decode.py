@@ -25,10 +25,20 @@ import torch
 import triton
 import triton.language as tl
 
+# The split count and the tile sizes are planned without Triton, in kvlab.kernel_plan (re-exported here).
+from kvlab.kernel_plan import (  # noqa: F401
+    GPU_BLOCK_N,
+    INTERPRETER_BLOCK_N,
+    MAX_SPLITS,
+    MAX_WAVES,
+    MERGE_LAUNCH_TOKENS,
+    MERGE_TOKENS_PER_SPLIT,
+    MIN_TOKENS_PER_SPLIT,
+    PROGRAM_START_TOKENS,
+    PROGRAMS_PER_SM,
+    choose_num_splits,
+)
 from kvlab.kernels.checks import check_paged_decode_args, grid_length  # noqa: F401  (re-exported)
-
-GPU_BLOCK_N = 128           # tokens per tile on a GPU (an H200 sweep: benchmarks/tune_attention.py)
-INTERPRETER_BLOCK_N = 16    # small tiles, so the interpreter's short sequences still cross several
 
 
 @triton.jit
@@ -134,53 +144,6 @@ def merge_splits_kernel(
     total = tl.sum(weights, axis=0)
     out = tl.sum(weights[:, None] * partial, axis=0) / tl.where(total == 0.0, 1.0, total)
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
-
-
-# -- how many splits ---------------------------------------------------------------------------
-# `benchmarks/bench_paged_decode.py --sweep` timed every split count at batch x context from 1x32K
-# to 32x32K on an H200 (132 SMs, 8 KV heads). At every shape the best count made about 256
-# programs, two per SM, all running at once; 128 programs (one per SM) ran 10-30% slower, and so
-# did ~512 (a second wave of programs), even where the model below counts the same time for it.
-# The costs are in "tokens one program streams meanwhile" (roughly 15-30 ns per 128-dim bf16 token).
-MIN_TOKENS_PER_SPLIT = 256  # no split shorter than this: too little to stream for what it costs
-PROGRAMS_PER_SM = 2         # programs an SM streams at once, one computing while the other waits for memory
-MAX_WAVES = 1               # split counts whose programs need more waves lost in the sweep: not tried
-PROGRAM_START_TOKENS = 128  # a program's start: load q and the first tiles before streaming (~2 us)
-MERGE_LAUNCH_TOKENS = 256   # the merge kernel's launch and run (~4 us)
-MERGE_TOKENS_PER_SPLIT = 8  # each split adds one partial output to write and merge
-MAX_SPLITS = 128            # the merge holds a row's partial outputs in registers
-
-
-def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                      block_n: int = GPU_BLOCK_N, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
-    """The split count with the shortest estimated decode time.
-
-    Decode streams K/V from memory: a program's time is about the tokens it reads. The
-    ``batch * num_kv_heads * splits`` programs run ``num_sms * programs_per_sm`` at a time, in
-    waves, so a launch lasts about ``waves * (tokens per program + its start)``: splitting pays
-    while it fills slots that would idle. The candidates: one split, and for 1 .. MAX_WAVES
-    waves the most splits whose programs fit in them (the more splits, the shorter each), cut
-    to whole tiles of ``block_n`` tokens as the kernel cuts them, none shorter than
-    ``MIN_TOKENS_PER_SPLIT``. Two splits or more also pay for the merge: a launch, and a little
-    per split. So a batch that fills the slots already stays whole (on an H200, 32 sequences x
-    8 KV heads = 256 programs for 264 slots), and one long sequence is cut in as many splits as
-    fill them (8 KV heads x 32 splits).
-    """
-    programs = batch * num_kv_heads
-    slots = num_sms * programs_per_sm                   # programs that run at the same time: one wave
-    most = max(1, min(max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
-    candidates = [1] + [min(most, max(1, waves * slots // programs)) for waves in range(1, MAX_WAVES + 1)]
-    best, best_time = 1, None
-    for splits in candidates:
-        tokens = -(-max_seq_len // splits)              # one split's tokens, rounded up to whole tiles
-        tokens = -(-tokens // block_n) * block_n
-        splits = -(-max_seq_len // tokens)              # the fewest splits of that length: none empty
-        time = -(-programs * splits // slots) * (tokens + PROGRAM_START_TOKENS)
-        if splits > 1:
-            time += MERGE_LAUNCH_TOKENS + splits * MERGE_TOKENS_PER_SPLIT
-        if best_time is None or time < best_time:
-            best, best_time = splits, time
-    return best
 
 
 @functools.lru_cache(maxsize=None)

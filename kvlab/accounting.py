@@ -19,17 +19,21 @@ import numbers
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvlab.validation import check_count
+
 GiB = 2**30
 GB = 10**9
 
 
 def check_int(name: str, value, minimum: int = 1) -> int:
-    """``value`` as an int >= ``minimum``, or a TypeError/ValueError that names ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
+    """``value`` as an int >= ``minimum``, or a TypeError/ValueError that names ``name``.
+
+    :func:`kvlab.validation.check_count` with two differences kept for this module's callers:
+    NumPy's integers are taken (returned as ``int``), and ``minimum`` defaults to 1.
+    """
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        value = int(value)
+    return check_count(name, value, minimum=minimum)
 
 
 # -- model specs --------------------------------------------------------------------------

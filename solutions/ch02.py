@@ -7,16 +7,10 @@ import triton
 from kvlab.errors import OutOfBlocksError, UnknownSequenceError
 # The write_kv_kernel answer is the course's own kernel: read kernels/write_kv.py.
 from kvlab.kernels.write_kv import write_kv_kernel
+from kvlab.validation import check_count
 
 
 # -- task block_pool -----------------------------------------------------------------------
-def _check_count(name, value):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-
-
 class BlockPool:
     """``num_blocks`` physical blocks of ``block_size`` token slots, shared by sequences."""
 
@@ -39,7 +33,7 @@ class BlockPool:
     def allocate(self, seq_id, num_tokens: int) -> list[int]:
         if seq_id in self.block_tables:
             raise ValueError(f"sequence {seq_id!r} already exists")
-        _check_count("num_tokens", num_tokens)
+        check_count("num_tokens", num_tokens)
         self._blocks_needed(num_tokens, have=0)  # raises before anything changes
         self.block_tables[seq_id] = []
         self.seq_lens[seq_id] = 0
@@ -48,7 +42,7 @@ class BlockPool:
 
     def append(self, seq_id, num_tokens: int = 1) -> list[int]:
         table = self.block_table(seq_id)
-        _check_count("num_tokens", num_tokens)
+        check_count("num_tokens", num_tokens)
         new_len = self.seq_lens[seq_id] + num_tokens
         needed = self._blocks_needed(new_len, have=len(table))
         new_blocks = [self.free_blocks.popleft() for _ in range(needed)]

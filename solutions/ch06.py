@@ -4,21 +4,16 @@ import torch
 import triton
 import triton.language as tl
 
-
-def _check_count(name, value, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+from kvlab.validation import check_count
 
 
 # -- task split_ranges ---------------------------------------------------------------------
 def split_ranges(seq_len: int, num_splits: int, block_n: int, max_seq_len: int | None = None) -> list[tuple[int, int]]:
     for name, value in (("seq_len", seq_len), ("num_splits", num_splits), ("block_n", block_n)):
-        _check_count(name, value)
+        check_count(name, value, minimum=1)
     if max_seq_len is None:
         max_seq_len = seq_len
-    _check_count("max_seq_len", max_seq_len)
+    check_count("max_seq_len", max_seq_len, minimum=1)
     if max_seq_len < seq_len:
         raise ValueError(f"max_seq_len ({max_seq_len}) is shorter than seq_len ({seq_len})")
     per_split = -(-max_seq_len // num_splits)
@@ -27,7 +22,7 @@ def split_ranges(seq_len: int, num_splits: int, block_n: int, max_seq_len: int |
 
 
 def split_pages(block_table, start: int, end: int, block_size: int) -> list[int]:
-    _check_count("block_size", block_size)
+    check_count("block_size", block_size, minimum=1)
     if start < 0 or start > end:
         raise ValueError(f"need 0 <= start <= end, got start {start}, end {end}")
     if end > len(block_table) * block_size:

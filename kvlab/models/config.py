@@ -22,6 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from kvlab.validation import check_count
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -38,9 +40,11 @@ def _require(cfg: dict, key: str):
 
 
 def _positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config field {name!r} must be a positive int, got {value!r}")
-    return value
+    """:func:`kvlab.validation.check_count` (>= 1), every refusal a ValueError about the config field."""
+    try:
+        return check_count(name, value, minimum=1)
+    except (TypeError, ValueError):
+        raise ValueError(f"config field {name!r} must be a positive int, got {value!r}") from None
 
 
 @dataclass

@@ -1,7 +1,10 @@
 """Figures of chapter 6, FlashDecoding: the decode grid against the SMs, the split-and-merge,
 the pages each split reads, and the GPU benchmark's bandwidths.
 
-What a figure shows is computed first by a pure function (tested on its own), then drawn:
+What a figure shows is computed first by a pure function (tested on its own), then drawn. The
+planning functions (:func:`grid_fill`, :func:`split_token_ranges`, ``choose_num_splits``) are
+:mod:`kvlab.kernel_plan`'s and the benchmark's reader :mod:`kvlab.benchmark_results`'s, both
+re-exported here: this module imports neither Triton nor :mod:`kvlab.kernels`.
 
 * :func:`grid_fill` -> :func:`draw_grid_fills`, :func:`plot_grid_efficiency`: how many SMs
   the programs of one decode launch keep busy, without and with splits;
@@ -16,12 +19,8 @@ Every figure is a :class:`matplotlib.figure.Figure` built without pyplot.
 """
 from __future__ import annotations
 
-import heapq
-import json
 import math
-import operator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,21 +29,16 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 from matplotlib.patheffects import withStroke
 
+# The planning and the benchmark's reader live outside viz (no Triton import here); re-exported for the notebook.
+from kvlab.benchmark_results import DecodeBenchmark, decode_benchmark, ratio, read_decode_benchmark  # noqa: F401
+from kvlab.kernel_plan import (GPU_BLOCK_N, H200_SMS, GridFill, grid_fill, pages_read,  # noqa: F401
+                               predicted_speedup, sm_loads, split_token_ranges, tokens_per_split)
 from kvlab.viz.page_map import FREE_EDGE, FREE_FACE, tint
 
-H200_SMS = 132      # streaming multiprocessors of an NVIDIA H200
-GPU_TILE = 128      # = kvlab.kernels.paged_decode.GPU_BLOCK_N (a test keeps them equal; no Triton import here)
+GPU_TILE = GPU_BLOCK_N  # paged_decode's tokens per tile on a GPU, kvlab.kernel_plan.GPU_BLOCK_N
 SM_COLUMNS = 12     # SMs per row in the grid pictures
 IDLE_FACE = "#e9ecef"
 SPLIT_PALETTE = [c for i, c in enumerate(colormaps["tab10"].colors) if i != 7]  # grey means "not read"
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def split_colour(split: int) -> tuple:
@@ -52,133 +46,7 @@ def split_colour(split: int) -> tuple:
     return SPLIT_PALETTE[split % len(SPLIT_PALETTE)]
 
 
-# -- which tokens a split reads ------------------------------------------------------------
-def tokens_per_split(max_seq_len: int, num_splits: int, block_n: int) -> int:
-    """Tokens of each split: ceil(max_seq_len / num_splits), rounded up to whole tiles of ``block_n``.
-
-    ``decode_split_kernel`` computes it for each sequence from that sequence's own length
-    (``max_seq_len = seq_len``), so a sequence of fewer tiles than splits leaves its last
-    splits empty. Given a batch's longest sequence instead, it is the one split length a kernel
-    that shares it across the launch would use.
-    """
-    _check_int("max_seq_len", max_seq_len, 1)
-    _check_int("num_splits", num_splits, 1)
-    _check_int("block_n", block_n, 1)
-    return -(-(-(-max_seq_len // num_splits)) // block_n) * block_n
-
-
-def split_token_ranges(seq_len: int, num_splits: int, block_n: int,
-                       max_seq_len: int | None = None) -> list[tuple[int, int]]:
-    """Token range ``[start, end)`` that each split program reads of one sequence.
-
-    Split ``g`` covers ``[g * tokens_per_split, (g + 1) * tokens_per_split)`` cut at
-    ``seq_len``; an empty split is ``(seq_len, seq_len)``. ``max_seq_len`` is the length the
-    splits are cut from: by default ``seq_len``, as ``decode_split_kernel`` cuts each sequence;
-    a larger one (the batch's longest sequence) gives the ranges of one split length shared by
-    the whole launch.
-    """
-    _check_int("seq_len", seq_len, 1)
-    max_seq_len = seq_len if max_seq_len is None else _check_int("max_seq_len", max_seq_len, 1)
-    if max_seq_len < seq_len:
-        raise ValueError(f"max_seq_len ({max_seq_len}) must be >= seq_len ({seq_len}): the splits "
-                         "would not cover the sequence")
-    size = tokens_per_split(max_seq_len, num_splits, block_n)
-    return [(min(g * size, seq_len), min((g + 1) * size, seq_len)) for g in range(num_splits)]
-
-
-def pages_read(block_table, start: int, end: int, block_size: int) -> list[int]:
-    """Physical pages holding positions ``start .. end - 1``, in logical order."""
-    _check_int("block_size", block_size, 1)
-    if not 0 <= start <= end:
-        raise ValueError(f"need 0 <= start <= end, got start {start}, end {end}")
-    if end > len(block_table) * block_size:
-        raise ValueError(f"position {end - 1} is beyond the table's {len(block_table)} blocks of {block_size}")
-    if start == end:
-        return []
-    return [int(b) for b in block_table[start // block_size:(end - 1) // block_size + 1]]
-
-
 # -- the launch grid against the SMs -------------------------------------------------------
-@dataclass(frozen=True)
-class GridFill:
-    """One decode launch of ``batch`` sequences of ``seq_len`` tokens, spread over ``num_sms`` SMs.
-
-    Model: every SM streams K/V at the same rate, and each program goes to the SM with the
-    least work so far, in launch order (the hardware hands out programs as SMs free up). The
-    launch then lasts as long as its busiest SM.
-    """
-
-    batch: int
-    seq_len: int
-    num_kv_heads: int
-    num_splits: int
-    num_sms: int
-    program_tokens: tuple   # tokens each program reads, launch order (sequence, KV head, split)
-    sm_tokens: tuple        # tokens each SM reads
-
-    @property
-    def programs(self) -> int:
-        return len(self.program_tokens)
-
-    @property
-    def busy_sms(self) -> int:
-        return sum(t > 0 for t in self.sm_tokens)
-
-    @property
-    def critical_tokens(self) -> int:
-        """Tokens read by the busiest SM: the launch's length in this model."""
-        return max(self.sm_tokens)
-
-    @property
-    def efficiency(self) -> float:
-        """Share of the GPU's streaming capacity used: the perfectly balanced time / the actual."""
-        return sum(self.sm_tokens) / self.num_sms / self.critical_tokens
-
-    def summary(self) -> str:
-        splits = "1 split" if self.num_splits == 1 else f"{self.num_splits} splits"
-        return (f"batch {self.batch} x {self.num_kv_heads} KV heads x {splits} = {self.programs} programs: "
-                f"{self.busy_sms} of {self.num_sms} SMs busy, efficiency {self.efficiency:.0%}")
-
-
-def sm_loads(program_tokens, num_sms: int) -> list[int]:
-    """Tokens per SM when each program, in order, goes to the least-loaded SM (lowest index on ties)."""
-    _check_int("num_sms", num_sms, 1)
-    heap = [(0, sm) for sm in range(num_sms)]
-    loads = [0] * num_sms
-    for tokens in program_tokens:
-        load, sm = heapq.heappop(heap)
-        loads[sm] = load + int(tokens)
-        heapq.heappush(heap, (loads[sm], sm))
-    return loads
-
-
-def grid_fill(batch: int, seq_len: int, num_kv_heads: int, num_splits: int | None = None,
-              num_sms: int = H200_SMS, block_n: int = GPU_TILE) -> GridFill:
-    """The programs of one decode launch and the SMs they keep busy (see :class:`GridFill`).
-
-    ``num_splits=None`` picks the split count as ``paged_decode`` does
-    (:func:`kvlab.kernels.paged_decode.choose_num_splits`).
-    """
-    _check_int("batch", batch, 1)
-    _check_int("seq_len", seq_len, 1)
-    _check_int("num_kv_heads", num_kv_heads, 1)
-    _check_int("num_sms", num_sms, 1)
-    if num_splits is None:
-        from kvlab.kernels.paged_decode import choose_num_splits
-
-        num_splits = choose_num_splits(batch, num_kv_heads, seq_len, num_sms)
-    split_tokens = [end - start for start, end in split_token_ranges(seq_len, num_splits, block_n)]
-    programs = tuple(split_tokens * (batch * num_kv_heads))
-    return GridFill(batch, seq_len, num_kv_heads, num_splits, num_sms, programs, tuple(sm_loads(programs, num_sms)))
-
-
-def predicted_speedup(batch: int, seq_len: int, num_kv_heads: int, num_sms: int = H200_SMS,
-                      block_n: int = GPU_TILE) -> float:
-    """The grid model's gain from splitting: efficiency with ``paged_decode``'s split count over one split."""
-    return (grid_fill(batch, seq_len, num_kv_heads, None, num_sms, block_n).efficiency
-            / grid_fill(batch, seq_len, num_kv_heads, 1, num_sms, block_n).efficiency)
-
-
 def _format_tokens(n: int) -> str:
     return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
 
@@ -515,60 +383,6 @@ BENCH_SERIES = (
 )
 
 
-@dataclass(frozen=True)
-class DecodeBenchmark:
-    """``benchmarks/bench_paged_decode.py``'s JSON, with refused measurements as NaN."""
-
-    env: dict
-    copy_ceiling_TBps: float
-    rows: tuple           # dicts: batch, seq_len, and every BENCH_SERIES key as a float (NaN: refused)
-    refusals: dict        # (batch, seq_len, key) -> the reason the benchmark recorded
-
-    def speedup(self, row: dict) -> float:
-        """Split over non-split bandwidth of one row (same bytes, so the time ratio); NaN if either is missing."""
-        return _ratio(row["split_TBps"], row["non_split_TBps"])
-
-    def row(self, batch: int, seq_len: int) -> dict | None:
-        return next((r for r in self.rows if r["batch"] == batch and r["seq_len"] == seq_len), None)
-
-
-def decode_benchmark(payload: dict) -> DecodeBenchmark:
-    """Check and convert the benchmark's JSON ``payload`` (a dict)."""
-    if not isinstance(payload, dict):
-        raise TypeError(f"payload must be a dict, got {type(payload).__name__}")
-    for key in ("env", "copy_ceiling_Bps", "rows"):
-        if key not in payload:
-            raise ValueError(f"payload has no {key!r}: not a bench_paged_decode.py result")
-    rows, refusals = [], {}
-    for i, raw in enumerate(payload["rows"]):
-        missing = [k for k in ("batch", "seq_len", *(s[0] for s in BENCH_SERIES)) if k not in raw]
-        if missing:
-            raise ValueError(f"payload rows[{i}] lacks {missing}")
-        row = dict(raw)
-        for key, _, _ in BENCH_SERIES:
-            value = raw[key]
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                row[key] = float(value)
-            else:
-                row[key] = math.nan
-                refusals[(raw["batch"], raw["seq_len"], key)] = str(value)
-        rows.append(row)
-    rows.sort(key=operator.itemgetter("batch", "seq_len"))
-    return DecodeBenchmark(dict(payload["env"]), float(payload["copy_ceiling_Bps"]) / 1e12, tuple(rows), refusals)
-
-
-def read_decode_benchmark(path) -> DecodeBenchmark | None:
-    """The benchmark at ``path``, or None when the file does not exist."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    return decode_benchmark(json.loads(path.read_text()))
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
-
-
 def benchmark_table(bench: DecodeBenchmark, num_kv_heads: int = 8, block_n: int = GPU_TILE) -> str:
     """The benchmark as text: bandwidths, split's ratios to its peers and the ceiling, the grid model's prediction."""
     num_sms = int(bench.env.get("sms", H200_SMS))
@@ -585,9 +399,9 @@ def benchmark_table(bench: DecodeBenchmark, num_kv_heads: int = 8, block_n: int 
             f"{row['batch']:>5} {row['seq_len']:>7} | {cell(split, '.2f', 6)} {cell(row['non_split_TBps'], '.2f', 7)} "
             f"{cell(row['cudnn_contig_TBps'], '.2f', 6)} {cell(row['flash_contig_TBps'], '.2f', 6)} "
             f"{cell(row['gather_sdpa_TBps'], '.2f', 6)}      | {cell(bench.speedup(row), '.1f', 13, 'x')} "
-            f"{cell(_ratio(split, row['gather_sdpa_TBps']), '.1f', 12, 'x')} "
-            f"{cell(_ratio(split, row['cudnn_contig_TBps']), '.2f', 11, 'x')} "
-            f"{cell(_ratio(split, bench.copy_ceiling_TBps), '.0%', 10)} | {model:.1f}x")
+            f"{cell(ratio(split, row['gather_sdpa_TBps']), '.1f', 12, 'x')} "
+            f"{cell(ratio(split, row['cudnn_contig_TBps']), '.2f', 11, 'x')} "
+            f"{cell(ratio(split, bench.copy_ceiling_TBps), '.0%', 10)} | {model:.1f}x")
     return "\n".join(lines)
 
 

@@ -3,40 +3,34 @@
 * :func:`online_softmax_frames` folds a few rows of scores into a running softmax, one tile of
   keys at a time, and keeps the state after every tile; :func:`draw_online_softmax_frame` and
   :func:`plot_online_softmax_convergence` draw it.
-* :func:`tile_schedule` says, for every program of the kernels in
-  :mod:`kvlab.kernels.flash_attention` (one block of query rows) and every tile of keys, whether
-  the program computes the tile without a mask, with one, or skips it: the Python twin of the
-  kernels' ``_causal_bounds``. :func:`paged_reads` adds the pages ``paged_prefill`` reads
-  through a block table.
-* :func:`load_flash_benchmark` and the ``plot_*`` functions draw what the GPU benchmark measured.
+* :func:`draw_tile_schedule` and :func:`draw_paged_reads` draw what every program of the kernels
+  in :mod:`kvlab.kernels.flash_attention` does with every tile of keys, as
+  :mod:`kvlab.kernel_plan` computes it (:func:`~kvlab.kernel_plan.tile_schedule`,
+  :func:`~kvlab.kernel_plan.paged_reads`, the Python twin of the kernels' ``_causal_bounds``).
+* the ``plot_*`` functions draw what the GPU benchmark measured, as
+  :func:`kvlab.benchmark_results.load_flash_benchmark` reads it.
 
 Figures are built without pyplot, so nothing is drawn at import.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch, Rectangle
 
-FULL, MASKED, SKIPPED = "full", "masked", "skipped"
-TILE_STATES = (FULL, MASKED, SKIPPED)
+# The tile planning and the benchmark's reader live outside viz; re-exported here for the notebook.
+from kvlab.benchmark_results import (BENCH_COLUMNS, PAGED_COLUMNS, benchmark_ratios, flash_groups,  # noqa: F401
+                                     flash_rows, load_flash_benchmark)
+from kvlab.kernel_plan import (FULL, MASKED, SKIPPED, TILE_STATES, PagedReads, TileSchedule,  # noqa: F401
+                               causal_tile_bounds, check_int, paged_reads, tile_schedule)
+
 TILE_COLOURS = {FULL: "#2b8a3e", MASKED: "#f59f00", SKIPPED: "#e9ecef"}
 TILE_NAMES = {FULL: "computed, no mask", MASKED: "computed with a mask (diagonal or ragged end)",
               SKIPPED: "skipped: never loaded"}
 ROW_COLOURS = ("#1c7ed6", "#e8590c", "#7048e8", "#2b8a3e", "#c2255c", "#0c8599")
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
 
 
 # -- the online softmax, tile by tile -----------------------------------------------------
@@ -96,7 +90,7 @@ def online_softmax_frames(scores, values, block_n: int) -> list[OnlineSoftmaxFra
     """
     s_all = _as_float64("scores", scores, 2)
     v_all = _as_float64("values", values, 2)
-    block_n = _check_int("block_n", block_n, 1)
+    block_n = check_int("block_n", block_n, 1)
     rows, keys = s_all.shape
     if rows == 0 or keys == 0:
         raise ValueError(f"scores needs at least one row and one key, got shape {list(s_all.shape)}")
@@ -246,79 +240,10 @@ def plot_online_softmax_convergence(frames: Sequence[OnlineSoftmaxFrame]) -> Fig
 
 
 # -- which program computes which tile --------------------------------------------------------
-def causal_tile_bounds(start_m: int, len_q: int, len_k: int, block_m: int, block_n: int,
-                       causal: bool = True) -> tuple[int, int]:
-    """The keys the queries ``start_m .. start_m + block_m - 1`` need, as the kernels see them.
-
-    Returns ``(full_end, end)``: tiles of ``block_n`` keys starting below ``full_end`` (a
-    multiple of ``block_n``) are seen whole by every one of those queries and run without a
-    mask; the tiles from ``full_end`` up to ``end`` run with one; keys from ``end`` on are never
-    loaded. Causal attention is bottom-right aligned: query ``i`` sees keys ``0 .. i + len_k -
-    len_q``.
-    """
-    for name, value, minimum in (("start_m", start_m, 0), ("len_q", len_q, 1), ("len_k", len_k, 1),
-                                 ("block_m", block_m, 1), ("block_n", block_n, 1)):
-        _check_int(name, value, minimum)
-    if start_m >= len_q:
-        raise ValueError(f"start_m must be below len_q ({len_q}), got {start_m}")
-    if causal and len_q > len_k:
-        raise ValueError(f"causal attention needs len_q <= len_k, got len_q {len_q} > len_k {len_k}")
-    if causal:
-        shift = len_k - len_q
-        full_end = start_m + shift + 1                     # the block's first query sees this many keys
-        end = min(start_m + block_m + shift, len_k)        # its last query sees this many
-    else:
-        full_end = end = len_k
-    return full_end // block_n * block_n, end
-
-
-@dataclass(frozen=True)
-class TileSchedule:
-    """``states[p][j]``: what program ``p`` (queries ``p * block_m ..``) does with key tile ``j``."""
-
-    len_q: int
-    len_k: int
-    block_m: int
-    block_n: int
-    causal: bool
-    states: tuple[tuple[str, ...], ...]
-
-    @property
-    def num_programs(self) -> int:
-        return len(self.states)
-
-    @property
-    def num_key_tiles(self) -> int:
-        return len(self.states[0])
-
-    def count(self, state: str) -> int:
-        if state not in TILE_STATES:
-            raise ValueError(f"state must be one of {TILE_STATES}, got {state!r}")
-        return sum(row.count(state) for row in self.states)
-
-    @property
-    def computed_share(self) -> float:
-        """Tiles computed (with or without a mask) / all tiles of the grid."""
-        return (self.count(FULL) + self.count(MASKED)) / (self.num_programs * self.num_key_tiles)
-
-
-def tile_schedule(len_q: int, len_k: int, block_m: int, block_n: int, causal: bool = True) -> TileSchedule:
-    """What every program of one head does with every key tile (see :func:`causal_tile_bounds`)."""
-    for name, value in (("len_q", len_q), ("len_k", len_k), ("block_m", block_m), ("block_n", block_n)):
-        _check_int(name, value, 1)
-    num_key_tiles = -(-len_k // block_n)
-    states = []
-    for start_m in range(0, len_q, block_m):
-        full_end, end = causal_tile_bounds(start_m, len_q, len_k, block_m, block_n, causal)
-        states.append(tuple(FULL if j * block_n < full_end else MASKED if j * block_n < end else SKIPPED
-                            for j in range(num_key_tiles)))
-    return TileSchedule(len_q, len_k, block_m, block_n, bool(causal), tuple(states))
-
-
 def visible_keys(len_q: int, len_k: int, causal: bool = True) -> np.ndarray:
     """``[len_q, len_k]`` booleans: which key each query attends to (bottom-right causal)."""
-    _check_int("len_q", len_q, 1)
-    _check_int("len_k", len_k, 1)
+    check_int("len_q", len_q, 1)
+    check_int("len_k", len_k, 1)
     if causal and len_q > len_k:
         raise ValueError(f"causal attention needs len_q <= len_k, got len_q {len_q} > len_k {len_k}")
     if not causal:
@@ -385,58 +310,6 @@ def plot_tile_schedules(schedules: Sequence[TileSchedule], titles: Sequence[str]
 
 
 # -- what paged_prefill reads -------------------------------------------------------------------
-@dataclass(frozen=True)
-class PagedReads:
-    """What each program of ``paged_prefill`` does with each key position of one sequence.
-
-    ``states[p][pos]`` is FULL (an unmasked tile), MASKED (loaded in a masked tile) or SKIPPED
-    (never loaded); ``pages[p]`` lists the physical blocks program ``p`` reads, in order.
-    """
-
-    block_table: tuple[int, ...]
-    block_size: int
-    seq_len: int
-    query_len: int
-    block_m: int
-    block_n: int
-    states: tuple[tuple[str, ...], ...]
-    pages: tuple[tuple[int, ...], ...]
-
-    @property
-    def prefix_len(self) -> int:
-        """Tokens cached before this step: the new tokens are positions ``prefix_len ..``."""
-        return self.seq_len - self.query_len
-
-
-def paged_reads(block_table: Sequence[int], block_size: int, seq_len: int, query_len: int,
-                block_m: int, block_n: int) -> PagedReads:
-    """The keys and pages each program of ``paged_prefill`` reads for one sequence.
-
-    The sequence holds ``seq_len`` tokens in the blocks of ``block_table`` (its last
-    ``query_len`` are the new ones, the queries). A tile of ``block_n`` keys is loaded whole up
-    to the sequence's end, so a masked tile reads every page it touches, even keys the mask
-    then hides.
-    """
-    block_size = _check_int("block_size", block_size, 1)
-    seq_len = _check_int("seq_len", seq_len, 1)
-    query_len = _check_int("query_len", query_len, 1)
-    if query_len > seq_len:
-        raise ValueError(f"query_len ({query_len}) must be <= seq_len ({seq_len}): the new tokens are cached too")
-    if hasattr(block_table, "tolist"):                  # a tensor or an array row
-        block_table = block_table.tolist()
-    table = tuple(_check_int("block_table entry", b, 0) for b in block_table)
-    if len(table) * block_size < seq_len:
-        raise ValueError(f"block_table has {len(table)} blocks of {block_size}: too few for {seq_len} tokens")
-    states, pages = [], []
-    for start_m in range(0, query_len, block_m):
-        full_end, end = causal_tile_bounds(start_m, query_len, seq_len, block_m, block_n, causal=True)
-        loaded_end = min(-(-end // block_n) * block_n, seq_len)   # a masked tile loads up to the sequence's end
-        states.append(tuple(FULL if pos < full_end else MASKED if pos < loaded_end else SKIPPED
-                            for pos in range(seq_len)))
-        pages.append(tuple(dict.fromkeys(table[pos // block_size] for pos in range(loaded_end))))
-    return PagedReads(table, block_size, seq_len, query_len, block_m, block_n, tuple(states), tuple(pages))
-
-
 def draw_paged_reads(reads: PagedReads, title: str | None = None) -> Figure:
     """Programs down, key positions across, grouped by page; each page labelled with its block."""
     num_programs = len(reads.states)
@@ -476,66 +349,11 @@ def draw_paged_reads(reads: PagedReads, title: str | None = None) -> Figure:
 
 
 # -- the GPU benchmark ------------------------------------------------------------------------
-BENCH_COLUMNS = {"kvlab": "kvlab flash_attention",
-                 "kvlab_paged": "kvlab paged_prefill, every key through the table",
-                 "kvlab_paged_new": "kvlab paged_prefill, new K/V given (engine)",
-                 "sdpa_flash": "SDPA flash (FA2-class)", "sdpa_cudnn": "SDPA cuDNN (FA3-class)",
-                 "naive": "naive (scores in memory)"}
 BENCH_STYLES = {"kvlab": ("#2b8a3e", "o-"), "kvlab_paged": ("#2b8a3e", "s--"), "kvlab_paged_new": ("#2b8a3e", "d-."),
                 "sdpa_flash": ("#1c7ed6", "^-"), "sdpa_cudnn": ("#7048e8", "v-"), "naive": ("#868e96", "x:")}
 BENCH_HATCHES = {"kvlab_paged": "///", "kvlab_paged_new": "..."}   # bars: the three kvlab kernels share a colour
-PAGED_COLUMNS = ("kvlab_paged", "kvlab_paged_new")     # paged_prefill's two ways of reading keys
 PAGED_COLOURS = {"kvlab_paged": "#868e96", "kvlab_paged_new": "#2b8a3e"}
 GROUP_COLOURS = ROW_COLOURS + ("#8d5524", "#495057")
-_ROW_KEYS = ("batch", "seq_len", "heads", "head_dim")
-_EXTEND_KEYS = ("batch", "prefix", "new", "head_dim", "kvlab") + PAGED_COLUMNS
-
-
-def _check_rows(path, results: dict, name: str, keys) -> None:
-    """``results[name]`` must be a list of dicts, each with every key of ``keys``."""
-    rows = results[name]
-    if not isinstance(rows, list):
-        raise ValueError(f"{path}: {name} must be a list of rows, got {type(rows).__name__}")
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}: {name}[{i}] must be a dict, got {type(row).__name__}")
-        missing = [key for key in keys if key not in row]
-        if missing:
-            raise ValueError(f"{path}: {name}[{i}] lacks {', '.join(missing)}")
-
-
-def load_flash_benchmark(path) -> dict | None:
-    """The JSON the FlashAttention benchmark writes, checked; ``None`` if there is no such file.
-
-    ``rows`` need every :data:`BENCH_COLUMNS` column; ``extends`` (new tokens after a cached
-    prefix) is optional.
-    """
-    path = Path(path)
-    if not path.exists():
-        return None
-    results = json.loads(path.read_text())
-    if not isinstance(results, dict) or not isinstance(results.get("rows"), list) or "env" not in results:
-        raise ValueError(f"{path}: expected {{'env': {{...}}, 'rows': [...]}}")
-    _check_rows(path, results, "rows", _ROW_KEYS + tuple(BENCH_COLUMNS))
-    if "extends" in results:
-        _check_rows(path, results, "extends", _EXTEND_KEYS)
-    return results
-
-
-def _rows(results: dict) -> list[dict]:
-    if not isinstance(results, dict) or not isinstance(results.get("rows"), list):
-        raise TypeError("results must be the dict load_flash_benchmark returns")
-    return results["rows"]
-
-
-def _groups(results: dict) -> dict:
-    """Rows grouped by (batch, heads, head_dim), each group sorted by sequence length."""
-    groups: dict = {}
-    for row in _rows(results):
-        groups.setdefault((row["batch"], row["heads"], row["head_dim"]), []).append(row)
-    return {key: sorted(rows, key=lambda r: r["seq_len"]) for key, rows in sorted(groups.items())}
-
-
 def _env_title(results: dict) -> str:
     env = results.get("env", {})
     return ", ".join(f"{key} {env[key]}" for key in ("gpu", "torch", "triton", "date") if key in env)
@@ -558,7 +376,7 @@ def plot_flash_benchmark(results: dict) -> Figure:
     """TFLOP/s as grouped bars: one panel per head_dim, one group per shape (batch x seq_len),
     one bar per kernel (none where the kernel was not measured)."""
     panels: dict = {}                  # head_dim -> rows, by sequence length then batch
-    for row in sorted(_rows(results), key=lambda r: (r["seq_len"], r["batch"])):
+    for row in sorted(flash_rows(results), key=lambda r: (r["seq_len"], r["batch"])):
         panels.setdefault(row["head_dim"], []).append(row)
     if not panels:
         raise ValueError("results has no rows")
@@ -595,7 +413,7 @@ def extend_label(row: dict) -> str:
 def plot_paged_vs_contiguous(results: dict) -> Figure:
     """``paged_prefill`` in its two modes against ``flash_attention`` on contiguous K/V: TFLOP/s and
     ratio per prefill shape, then (if ``results`` has ``extends``) the ratio per extend shape."""
-    groups = _groups(results)
+    groups = flash_groups(results)
     if not groups:
         raise ValueError("results has no rows")
     extends = results.get("extends") or []
@@ -639,22 +457,6 @@ def _plot_extend_ratios(ax, extends: list[dict]) -> None:
            title="extend: new tokens after a cached prefix")
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7, loc="upper center")
-
-
-def benchmark_ratios(results: dict) -> list[dict]:
-    """Per row: kvlab / SDPA flash, kvlab / cuDNN, cuDNN / SDPA flash (FA3-class over FA2-class),
-    and paged / contiguous for both modes of ``paged_prefill`` (every key through the table;
-    the new tokens' K/V given)."""
-    out = []
-    for (batch, heads, head_dim), rows in _groups(results).items():
-        for r in rows:
-            out.append({"batch": batch, "heads": heads, "head_dim": head_dim, "seq_len": r["seq_len"],
-                        "kvlab_vs_flash": r["kvlab"] / r["sdpa_flash"],
-                        "kvlab_vs_cudnn": r["kvlab"] / r["sdpa_cudnn"],
-                        "cudnn_vs_flash": r["sdpa_cudnn"] / r["sdpa_flash"],
-                        "paged_vs_contiguous": r["kvlab_paged"] / r["kvlab"],
-                        "paged_new_vs_contiguous": r["kvlab_paged_new"] / r["kvlab"]})
-    return out
 
 
 # -- memory, naive vs kernel ------------------------------------------------------------------
