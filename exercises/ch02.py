@@ -10,22 +10,23 @@ Tasks: ``block_pool`` (BlockPool.allocate / append / free), ``slot_mapping``,
 ``write_kv_kernel``. Stuck? ``kvlab.use_solution("ch02")`` swaps in the answer and keeps
 yours as ``exercises/ch02_mine.py``.
 """
-from collections import deque
-
 import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
 import triton
 import triton.language as tl
 
 from kvlab.errors import OutOfBlocksError, UnknownSequenceError  # noqa: F401  (you will raise these)
+# Given (not tasks), shared with solutions/ch02.py: read kvlab/scaffold/ch02.py.
+from kvlab.scaffold.ch02 import BlockPoolState, write_kv_with
 
 
 # -- task block_pool -----------------------------------------------------------------------
-class BlockPool:
+class BlockPool(BlockPoolState):
     """``num_blocks`` physical blocks of ``block_size`` token slots, shared by sequences.
 
-    State (given): ``free_blocks`` holds the ids of free blocks (take from the left, return
-    to the right); ``block_tables[seq_id]`` lists a sequence's physical blocks in order;
-    ``seq_lens[seq_id]`` counts its tokens.
+    State (given by ``BlockPoolState``, with ``num_free_blocks`` and ``block_table(seq_id)``):
+    ``free_blocks`` holds the ids of free blocks (take from the left, return to the right);
+    ``block_tables[seq_id]`` lists a sequence's physical blocks in order; ``seq_lens[seq_id]``
+    counts its tokens.
 
     Rules your methods must keep:
     * a sequence holds exactly ceil(seq_len / block_size) blocks: take a new block only when
@@ -36,22 +37,6 @@ class BlockPool:
       never fit in the whole pool, or allocating an id that already exists; ``TypeError``
       for a count that is not an int.
     """
-
-    def __init__(self, num_blocks: int, block_size: int = 16):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.free_blocks = deque(range(num_blocks))
-        self.block_tables: dict = {}
-        self.seq_lens: dict = {}
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    def block_table(self, seq_id) -> list[int]:
-        if seq_id not in self.block_tables:
-            raise UnknownSequenceError(f"unknown sequence id {seq_id!r}")
-        return list(self.block_tables[seq_id])
 
     def allocate(self, seq_id, num_tokens: int) -> list[int]:
         """Start sequence ``seq_id`` with ``num_tokens`` tokens; return its block table."""
@@ -99,10 +84,5 @@ def write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_p
                               "at slot * ROW (masked; skip slot -1: mask = cols < tl.where(slot >= 0, ROW, 0))")
 
 
-def write_kv(key, value, k_cache, v_cache, slot_mapping):
-    """Launch your kernel: key/value [num_tokens, num_kv_heads, head_dim] into the caches."""
-    num_tokens, row = key.shape[0], key.shape[1] * key.shape[2]
-    block = min(triton.next_power_of_2(row), 2048)
-    grid = (num_tokens, triton.cdiv(row, block))
-    write_kv_kernel[grid](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
-                          ROW=row, BLOCK=block)
+# Given: write_kv(key, value, k_cache, v_cache, slot_mapping) launches your kernel.
+write_kv = write_kv_with(write_kv_kernel)

@@ -27,6 +27,8 @@ state after every call, the returned blocks and the exception types must match. 
 from kvlab.errors import OutOfBlocksError, UnknownSequenceError  # noqa: F401  (you will raise these)
 from kvlab.paging import BlockPool, blocks_needed  # noqa: F401  (blocks_needed(n, bs) = ceil(n / bs))
 from kvlab.paging.block_pool import check_count  # noqa: F401  (TypeError/ValueError for a bad count)
+# Given (not a task), shared with solutions/ch03.py: read kvlab/scaffold/ch03.py.
+from kvlab.scaffold.ch03 import pool_with_fork_and_append
 
 
 # -- task fork -------------------------------------------------------------------------------
@@ -78,15 +80,6 @@ def parallel_sampling_blocks(prompt_len: int, gen_len: int, n: int, block_size: 
                               "blocks does each sample end up holding alone?")
 
 
-class MyBlockPool(BlockPool):
-    """kvlab's ``BlockPool`` with ``fork`` and ``append`` replaced by yours (given, not a task).
-
-    Plug it into the chapter's parallel sampling and beam search:
-    ``kvlab.beam_search.beam_search(MyBlockPool(64, 4), prompt_len=6, beam_width=4, steps=8)``.
-    """
-
-    def fork(self, parent, child) -> list[int]:
-        return fork(self, parent, child)
-
-    def append(self, seq_id, num_tokens: int = 1, token_ids=None) -> list[int]:
-        return append_with_copy_on_write(self, seq_id, num_tokens)
+# Given: kvlab's BlockPool with fork and append replaced by yours. Plug it into the chapter's
+# beam search: kvlab.beam_search.beam_search(MyBlockPool(64, 4), prompt_len=6, beam_width=4, steps=8).
+MyBlockPool = pool_with_fork_and_append(fork, append_with_copy_on_write)

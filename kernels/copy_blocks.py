@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.checks import check_copy_blocks_args  # (in checks.py with every launcher's checks)
+from kvlab.kernels.checks import check_copy_blocks_args  # (checks.py: shared helpers, write_kv's and copy_blocks')
 
 
 @triton.jit

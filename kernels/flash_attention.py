@@ -36,21 +36,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # causal_tile_bounds is the Python twin of _causal_bounds below.
 from kvlab.kernel_plan import SHARED_MEMORY_BUDGET, tile_config  # noqa: F401
 from kvlab.kernel_plan import launch_config as _launch_config
-# The argument checks live in kvlab.kernels.checks (with every other launcher's); re-exported here.
-from kvlab.kernels.checks import (  # noqa: F401
-    DTYPES as _DTYPES,
-    _check_dtypes,
-    _check_head_dim,
-    _check_heads,
-    _check_int32_vector,
-    _check_out,
-    _check_rows_contiguous,
-    _check_sm_scale,
-    _check_tensor,
-    check_flash_attention_args,
-    check_paged_prefill_args,
-    grid_length,
-)
+# The argument checks live in kvlab.kernels.attention_checks (on helpers of kvlab.kernels.checks);
+# re-exported here.
+from kvlab.kernels.attention_checks import check_flash_attention_args, check_paged_prefill_args  # noqa: F401
+from kvlab.kernels.checks import grid_length  # noqa: F401
 
 LOG2_E = 1.4426950408889634  # scores are scaled by log2(e) so the kernels can use exp2
 
@@ -357,9 +346,8 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
     log, float32) is ``[batch, num_heads, len_q]`` or ``[num_heads, total_q]``. ``validate``
     checks every argument before the launch (in the packed form with one read back to the host,
     of a check kernel's statistics of ``cu_seqlens``, which also size the grid: see
-    :mod:`kvlab.kernels.checks`); unchecked, ``max_seqlen_q`` spares the one read the packed
-    grid needs. ``block_m``,
-    ``block_n``, ``num_warps``, ``num_stages`` override :func:`tile_config`.
+    :mod:`kvlab.kernels.attention_checks`); unchecked, ``max_seqlen_q`` spares the one read the
+    packed grid needs. ``block_m``, ``block_n``, ``num_warps``, ``num_stages`` override :func:`tile_config`.
     """
     longest_q = None
     if validate:
@@ -420,7 +408,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
 
     ``validate`` checks every argument before the launch, with one read back to the host (a
     check kernel's statistics of the lengths and the used block-table entries, which also give
-    the grid's ``max_query_len``; see :mod:`kvlab.kernels.checks`). Unchecked, ``max_query_len``
+    the grid's ``max_query_len``; see :mod:`kvlab.kernels.attention_checks`). Unchecked, ``max_query_len``
     spares the one read the grid needs, ``cu_query_lens`` (the running sum of ``query_lens`` with
     a leading 0, if the caller has it) the two small launches that compute it.
     """

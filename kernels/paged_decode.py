@@ -38,7 +38,8 @@ from kvlab.kernel_plan import (  # noqa: F401
     PROGRAMS_PER_SM,
     choose_num_splits,
 )
-from kvlab.kernels.checks import check_paged_decode_args, grid_length  # noqa: F401  (re-exported)
+from kvlab.kernels.attention_checks import check_paged_decode_args  # noqa: F401  (re-exported)
+from kvlab.kernels.checks import grid_length  # noqa: F401  (re-exported)
 
 
 @triton.jit

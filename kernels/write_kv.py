@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.checks import check_write_kv_args  # (in checks.py with every launcher's checks)
+from kvlab.kernels.checks import check_write_kv_args  # (checks.py: shared helpers, write_kv's and copy_blocks')
 
 
 @triton.jit

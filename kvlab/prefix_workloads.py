@@ -25,7 +25,6 @@ from itertools import cycle
 import numpy as np
 
 from kvlab.paging.block_pool import BlockPool, blocks_needed
-from kvlab.paging.prefix_hash import hash_blocks
 
 VOCAB_SIZE = 32_000
 
@@ -52,18 +51,10 @@ def cached_prefix(pool: BlockPool, token_ids, salt=None) -> list[int]:
     """The cached blocks an allocation of prompt ``token_ids`` would reuse; changes nothing.
 
     The longest run of cached full blocks that starts the prompt, capped at
-    ``(len(token_ids) - 1) // block_size`` blocks so the last prompt token is computed.
+    ``(len(token_ids) - 1) // block_size`` blocks so the last prompt token is computed: the
+    pool's own answer, :meth:`BlockPool.computed_blocks`.
     """
-    num_tokens, block_size = len(token_ids), pool.block_size
-    if not pool.enable_prefix_caching or num_tokens == 0:
-        return []
-    reusable = (num_tokens - 1) // block_size
-    blocks = []
-    for h in hash_blocks(token_ids[:reusable * block_size], block_size, salt):
-        if h not in pool.cached_blocks:
-            break
-        blocks.append(pool.cached_blocks[h])
-    return blocks
+    return pool.computed_blocks(token_ids, salt)
 
 
 def _evicted_since(evictable_before, pool: BlockPool, revived=()) -> tuple[int, ...]:

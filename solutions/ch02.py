@@ -1,34 +1,17 @@
 """Chapter 2 answers: the same names and signatures as ``exercises/ch02.py``."""
-from collections import deque
-
 import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
-import triton
 
 from kvlab.errors import OutOfBlocksError, UnknownSequenceError
 # The write_kv_kernel answer is the course's own kernel: read kernels/write_kv.py.
 from kvlab.kernels.write_kv import write_kv_kernel
+# Given (not tasks), shared with exercises/ch02.py: read kvlab/scaffold/ch02.py.
+from kvlab.scaffold.ch02 import BlockPoolState, write_kv_with
 from kvlab.validation import check_count
 
 
 # -- task block_pool -----------------------------------------------------------------------
-class BlockPool:
+class BlockPool(BlockPoolState):
     """``num_blocks`` physical blocks of ``block_size`` token slots, shared by sequences."""
-
-    def __init__(self, num_blocks: int, block_size: int = 16):
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.free_blocks = deque(range(num_blocks))
-        self.block_tables: dict = {}
-        self.seq_lens: dict = {}
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
-
-    def block_table(self, seq_id) -> list[int]:
-        if seq_id not in self.block_tables:
-            raise UnknownSequenceError(f"unknown sequence id {seq_id!r}")
-        return list(self.block_tables[seq_id])
 
     def allocate(self, seq_id, num_tokens: int) -> list[int]:
         if seq_id in self.block_tables:
@@ -74,10 +57,5 @@ def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size
 
 
 # -- task write_kv_kernel ------------------------------------------------------------------
-def write_kv(key, value, k_cache, v_cache, slot_mapping):
-    """Launch the kernel: key/value [num_tokens, num_kv_heads, head_dim] into the caches."""
-    num_tokens, row = key.shape[0], key.shape[1] * key.shape[2]
-    block = min(triton.next_power_of_2(row), 2048)
-    grid = (num_tokens, triton.cdiv(row, block))
-    write_kv_kernel[grid](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
-                          ROW=row, BLOCK=block)
+# Given: write_kv(key, value, k_cache, v_cache, slot_mapping) launches the kernel.
+write_kv = write_kv_with(write_kv_kernel)

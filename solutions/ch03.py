@@ -1,7 +1,9 @@
 """Chapter 3 answers: the same names and signatures as ``exercises/ch03.py``."""
 from kvlab.errors import OutOfBlocksError, UnknownSequenceError
-from kvlab.paging import BlockPool, blocks_needed
+from kvlab.paging import blocks_needed
 from kvlab.paging.block_pool import check_count
+# Given (not a task), shared with exercises/ch03.py: read kvlab/scaffold/ch03.py.
+from kvlab.scaffold.ch03 import pool_with_fork_and_append
 
 
 # -- task fork -------------------------------------------------------------------------------
@@ -55,11 +57,5 @@ def parallel_sampling_blocks(prompt_len: int, gen_len: int, n: int, block_size: 
     return shared + n * (per_sequence - shared), n * per_sequence
 
 
-class MyBlockPool(BlockPool):
-    """kvlab's ``BlockPool`` with ``fork`` and ``append`` replaced by yours (given, not a task)."""
-
-    def fork(self, parent, child) -> list[int]:
-        return fork(self, parent, child)
-
-    def append(self, seq_id, num_tokens: int = 1, token_ids=None) -> list[int]:
-        return append_with_copy_on_write(self, seq_id, num_tokens)
+# Given: kvlab's BlockPool with fork and append replaced by these.
+MyBlockPool = pool_with_fork_and_append(fork, append_with_copy_on_write)

@@ -4,6 +4,8 @@ from hashlib import sha256
 from kvlab.errors import UnknownSequenceError
 from kvlab.paging import BlockPool
 from kvlab.paging.prefix_hash import hash_blocks, root_hash, token_bytes
+# Given (not a task), shared with exercises/ch04.py: read kvlab/scaffold/ch04.py.
+from kvlab.scaffold.ch04 import pool_with_eviction
 
 
 # -- task block_hashes ---------------------------------------------------------------------
@@ -62,11 +64,5 @@ def release(pool: BlockPool, seq_id) -> list[int]:
     return released
 
 
-class PoolWithMyEviction(BlockPool):
-    """kvlab's ``BlockPool`` with your ``take_free_block`` and ``release`` plugged in (given)."""
-
-    def _take_free_block(self) -> int:
-        return take_free_block(self)
-
-    def free(self, seq_id) -> list[int]:
-        return release(self, seq_id)
+# Given: kvlab's BlockPool with take_free_block and release plugged in.
+PoolWithMyEviction = pool_with_eviction(take_free_block, release)

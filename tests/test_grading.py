@@ -111,7 +111,7 @@ def kernel_body(store_offset):
 def test_a_crashing_kernel_fails_its_task_only(tmp_path, monkeypatch):
     root = course_copy(tmp_path, monkeypatch)
     shutil.copy(root / "solutions" / "ch02.py", root / "exercises" / "ch02.py")
-    plant(root, "ch02", "def write_kv(key, value, k_cache, v_cache, slot_mapping):\n",
+    plant(root, "ch02", "write_kv = write_kv_with(write_kv_kernel)\n",
           "def write_kv(key, value, k_cache, v_cache, slot_mapping):\n    import os; os.abort()\n")
     report = grading.grade("ch02")
     tasks = {t.task: t for t in report.tasks}

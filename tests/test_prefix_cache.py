@@ -9,34 +9,15 @@ hold, not against the pool's own bookkeeping.
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import HealthCheck, Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvlab
-from helpers import attempt_unchanged
+from helpers import PoolMachineHelpers, snapshot
 from kvlab.paging import BlockPool, blocks_needed
 from kvlab.paging.prefix_hash import ROOT, hash_block, hash_blocks, root_hash
-from kvlab.reference import copy_blocks_ref, gather_kv, write_kv_ref
-
-
-def snapshot(pool: BlockPool):
-    """Everything a failed call must leave alone, in a form that compares by value (order included)."""
-    return (
-        list(pool.free_blocks),
-        list(pool.evictable),
-        [(seq_id, list(table)) for seq_id, table in pool.block_tables.items()],
-        list(pool.seq_lens.items()),
-        list(pool.ref_counts),
-        list(pool.pending_copies),
-        list(pool.block_hashes),
-        list(pool.cached_blocks.items()),
-        [(seq_id, list(tokens)) for seq_id, tokens in pool.seq_tokens.items()],
-        list(pool.seq_salts.items()),
-        [(seq_id, list(hashes)) for seq_id, hashes in pool.seq_hashes.items()],
-        list(pool.num_cached_tokens.items()),
-    )
+from kvlab.reference import gather_kv
 
 
 def cached_pool(num_blocks=8, block_size=4):
@@ -101,6 +82,27 @@ def test_hit_cap_with_one_token_blocks():
     assert pool.num_cached_tokens["c"] == 0        # a one-token prompt computes its only token
     alloc(pool, "d", [])
     assert pool.num_cached_tokens["d"] == 0 and pool.block_table("d") == []
+
+
+def test_computed_blocks_is_what_allocate_then_reuses_and_changes_nothing():
+    """The pool's query of a cached prefix (vLLM's get_computed_blocks) predicts allocate's hits."""
+    pool = cached_pool(num_blocks=32)
+    alloc(pool, "a", P0 + P1 + P2 + [99])
+    alloc(pool, "s", P0 + P1 + [99], salt="tenant-b")
+    pool.free("a")                                   # its cached blocks stay reusable (evictable)
+    prompts = [(P0 + P1 + P2, None), (P0 + P1 + P2 + [7], None), (P0 + P3 + [1], None), (P0 + P1 + [1], "tenant-b"),
+               (P0 + P1 + [1], "tenant-c"), (P1 + P0 + [1], None), (P0[:3], None), ([], None)]
+    hits = []
+    for i, (prompt, salt) in enumerate(prompts):
+        before = snapshot(pool)
+        hits.append(pool.computed_blocks(prompt, salt))
+        assert snapshot(pool) == before, "a query changed the pool"
+        table = alloc(pool, i, prompt, salt)
+        assert hits[-1] == table[:pool.num_cached_tokens[i] // 4], (prompt, salt)
+    assert hits == [[0, 1], [0, 1, 2], [0], [4, 5], [], [], [], []]
+    disabled = BlockPool(num_blocks=4, block_size=4)
+    alloc(disabled, "a", P0 + P1)
+    assert disabled.computed_blocks(P0 + P1 + [1]) == [], "without prefix caching nothing is reused"
 
 
 def test_partial_blocks_are_never_cached():
@@ -401,7 +403,7 @@ VOCAB = st.integers(0, 2)
 MOSTLY = st.sampled_from([True, True, True, False])   # hypothesis favours small integers: not these
 
 
-class PrefixCacheMachine(RuleBasedStateMachine):
+class PrefixCacheMachine(PoolMachineHelpers, RuleBasedStateMachine):
     """Random allocate / append / fork / free / reset with prefix caching on.
 
     ``model`` is each live sequence's tokens, ``salts`` its salt. ``k``/``v`` form a KV store
@@ -414,9 +416,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 block_size=st.sampled_from([2, 3, 4, 1]), data=st.data())
     def setup(self, num_blocks, block_size, data):
         self.pool = BlockPool(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True)
-        shape = (num_blocks, block_size, 1, 1)
-        self.k = torch.full(shape, -1, dtype=torch.int64)
-        self.v = torch.full(shape, 1, dtype=torch.int64)
+        self.new_store(num_blocks, block_size)
         self.model: dict[int, list[int]] = {}
         self.salts: dict[int, object] = {}
         self.hash_tokens: dict[bytes, tuple[object, list[int]]] = {}
@@ -424,25 +424,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             st.lists(st.lists(VOCAB, min_size=block_size + 1, max_size=3 * block_size), min_size=3, max_size=3),
             label="prefixes")
 
-    # -- helpers ------------------------------------------------------------------------
-    def attempt(self, call, expected_exc=None, match=None):
-        """Run ``call``; if it raises, check that nothing changed. Returns (exception, result)."""
-        return attempt_unchanged(self.pool, snapshot, call, expected_exc, match)
-
-    def write(self, seq, start, tokens):
-        slots = torch.tensor(self.pool.slot_mapping(seq, start, len(tokens)), dtype=torch.int64)
-        ids = torch.tensor(tokens, dtype=torch.int64).view(-1, 1, 1)
-        write_kv_ref(ids, -ids, self.k, self.v, slots)
-
+    # -- helpers (attempt, write, fork_checked, copy_then_write, ...: PoolMachineHelpers) ---
     def read(self, table, n, flat=None):
         """The first ``n`` token ids stored through ``table`` (``flat``: the store, already read)."""
         if flat is None:
             return gather_kv(self.k, table, n).flatten().tolist()
         bs = self.pool.block_size
         return [flat[table[p // bs] * bs + p % bs] for p in range(n)]
-
-    def holders(self, block):
-        return sum(table.count(block) for table in self.pool.block_tables.values())
 
     def takeable(self, keep=()):
         """Blocks a new allocation takes, in order: never-cached free ones, then least recent cached."""
@@ -453,32 +441,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for i, h in enumerate(hash_blocks(tokens[:len(tokens) // bs * bs], bs, salt)):
             self.hash_tokens.setdefault(h, (salt, tokens[i * bs:(i + 1) * bs]))
 
-    def draw_n(self, data, seq):
-        """Mostly a count that fits the pool's capacity, sometimes one that does not."""
-        bs, room = self.pool.block_size, self.pool.capacity - len(self.model[seq])
-        sizes = st.sampled_from([*range(1, min(2 * bs + 1, room) + 1), 0])
-        if room < 2 * bs + 1:
-            sizes = sizes | st.integers(room + 1, room + 3)
-        return data.draw(sizes, label="n")
-
     def do_fork(self, parent, child):
-        if parent not in self.model:
-            expected, match = kvlab.UnknownSequenceError, "unknown sequence id"
-        elif child in self.model:
-            expected, match = ValueError, "already exists"
-        else:
-            expected, match = None, None
-        refs_before = list(self.pool.ref_counts)
-        exc, table = self.attempt(lambda: self.pool.fork(parent, child), expected, match)
-        event(f"fork: {type(exc).__name__ if exc else 'ok'}")
-        if exc is None:
-            pool = self.pool
-            assert table == pool.block_table(parent) == pool.block_table(child)
-            for block in range(pool.num_blocks):
-                assert pool.ref_counts[block] == refs_before[block] + table.count(block)
-            assert pool.seq_hashes[child] == pool.seq_hashes[parent]
-            assert pool.num_cached_tokens[child] == pool.num_cached_tokens[parent]
-            self.model[child] = list(self.model[parent])
+        if self.fork_checked(parent, child) is not None:
+            assert self.pool.seq_hashes[child] == self.pool.seq_hashes[parent]
+            assert self.pool.num_cached_tokens[child] == self.pool.num_cached_tokens[parent]
             self.salts[child] = self.salts[parent]
 
     def do_append(self, seq, tokens):
@@ -508,9 +474,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             assert copies == []
             assert pool.block_table(seq) == table_before + taken
         assert {s: pool.block_table(s) for s in others_before} == others_before
-        copy_blocks_ref([self.k, self.v], torch.tensor(copies, dtype=torch.int64).view(-1, 2))
-        self.write(seq, old_len, tokens)
-        self.model[seq] += tokens
+        self.copy_then_write(seq, copies, tokens)
         self.remember_hashes(seq)
 
     # -- rules --------------------------------------------------------------------------

@@ -16,21 +16,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvlab
-from helpers import attempt_unchanged
+from helpers import PoolMachineHelpers, snapshot
 from kvlab.paging import BlockPool, allocate_kv_cache, blocks_needed
-from kvlab.reference import copy_blocks_ref, gather_kv, write_kv_ref
-
-
-def snapshot(pool: BlockPool):
-    """Everything a failed call must leave alone, in a form that compares by value (order included)."""
-    return (
-        list(pool.free_blocks),
-        list(pool.evictable),
-        [(seq_id, list(table)) for seq_id, table in pool.block_tables.items()],
-        list(pool.seq_lens.items()),
-        list(pool.ref_counts),
-        list(pool.pending_copies),
-    )
+from kvlab.reference import copy_blocks_ref, gather_kv
 
 
 def occurrences(pool: BlockPool) -> list[int]:
@@ -348,7 +336,7 @@ SEQ_IDS = st.integers(min_value=0, max_value=4)
 MOSTLY = st.sampled_from([True, True, True, False])   # hypothesis favours small integers: not these
 
 
-class SharingMachine(RuleBasedStateMachine):
+class SharingMachine(PoolMachineHelpers, RuleBasedStateMachine):
     """Random allocate / fork / append / free against ``model``: each live sequence's tokens.
 
     ``k``/``v`` are a real KV store, ``[num_blocks, block_size, 1, 1]``: K holds each token's
@@ -362,31 +350,17 @@ class SharingMachine(RuleBasedStateMachine):
                 data=st.data())
     def setup(self, num_blocks, block_size, data):
         self.pool = BlockPool(num_blocks=num_blocks, block_size=block_size)
-        shape = (num_blocks, block_size, 1, 1)
-        self.k = torch.full(shape, -1, dtype=torch.int64)
-        self.v = torch.full(shape, 1, dtype=torch.int64)
+        self.new_store(num_blocks, block_size)
         self.model: dict[int, list[int]] = {}
         self.next_token = 0
         # start with one sequence, so that forks and copies come early
         self.do_allocate(0, data.draw(st.integers(1, max(1, self.pool.capacity // 2)), label="first length"))
 
-    # -- helpers ------------------------------------------------------------------------
-    def attempt(self, call, expected_exc=None, match=None):
-        """Run ``call``; if it raises, check that nothing changed. Returns (exception, result)."""
-        return attempt_unchanged(self.pool, snapshot, call, expected_exc, match)
-
+    # -- helpers (attempt, write, fork_checked, copy_then_write, ...: PoolMachineHelpers) ---
     def fresh_tokens(self, n):
         tokens = list(range(self.next_token, self.next_token + n))
         self.next_token += n
         return tokens
-
-    def write(self, seq, start, tokens):
-        slots = torch.tensor(self.pool.slot_mapping(seq, start, len(tokens)), dtype=torch.int64)
-        ids = torch.tensor(tokens, dtype=torch.int64).view(-1, 1, 1)
-        write_kv_ref(ids, -ids, self.k, self.v, slots)
-
-    def holders(self, block):
-        return sum(table.count(block) for table in self.pool.block_tables.values())
 
     def free_count(self):
         used = {b for table in self.pool.block_tables.values() for b in table}
@@ -417,30 +391,7 @@ class SharingMachine(RuleBasedStateMachine):
             self.model[seq] = tokens
 
     def do_fork(self, parent, child):
-        if parent not in self.model:
-            expected, match = kvlab.UnknownSequenceError, "unknown sequence id"
-        elif child in self.model:
-            expected, match = ValueError, "already exists"
-        else:
-            expected, match = None, None
-        refs_before = list(self.pool.ref_counts)
-        exc, table = self.attempt(lambda: self.pool.fork(parent, child), expected, match)
-        event(f"fork: {type(exc).__name__ if exc else 'ok'}")
-        if exc is None:
-            parent_table = self.pool.block_table(parent)
-            assert table == parent_table == self.pool.block_table(child)   # right after fork: equal
-            assert self.pool.seq_len(child) == self.pool.seq_len(parent)
-            for block in range(self.pool.num_blocks):
-                assert self.pool.ref_counts[block] == refs_before[block] + parent_table.count(block)
-            self.model[child] = list(self.model[parent])
-
-    def draw_n(self, data, seq):
-        """Mostly a count that fits the pool's capacity, sometimes one that does not."""
-        bs, room = self.pool.block_size, self.pool.capacity - len(self.model[seq])
-        sizes = st.sampled_from([*range(1, min(2 * bs + 1, room) + 1), 0])
-        if room < 2 * bs + 1:
-            sizes = sizes | st.integers(room + 1, room + 3)
-        return data.draw(sizes, label="n")
+        self.fork_checked(parent, child)
 
     def do_append(self, seq, n):
         pool, bs = self.pool, self.pool.block_size
@@ -474,11 +425,7 @@ class SharingMachine(RuleBasedStateMachine):
             assert copies == []
             assert table == table_before + taken
         assert {s: pool.block_table(s) for s in others_before} == others_before
-        # the engine's order: copy first, then write the new tokens
-        copy_blocks_ref([self.k, self.v], torch.tensor(copies, dtype=torch.int64).view(-1, 2))
-        tokens = self.fresh_tokens(n)
-        self.write(seq, old_len, tokens)
-        self.model[seq] += tokens
+        self.copy_then_write(seq, copies, self.fresh_tokens(n))
 
     @precondition(lambda self: self.model)
     @rule(data=st.data())

@@ -108,6 +108,19 @@ class BlockPool:
     def can_append(self, seq_id, num_tokens: int = 1) -> bool:
         return self._new_blocks_for(seq_id, num_tokens) <= self.num_free_blocks
 
+    def computed_blocks(self, token_ids, salt=None) -> list[int]:
+        """The cached blocks :meth:`allocate` would reuse for prompt ``token_ids``; changes nothing.
+
+        The longest run of cached full blocks that starts the prompt, capped at
+        ``(len(token_ids) - 1) // block_size`` blocks so the last prompt token is computed (vLLM's
+        ``get_computed_blocks``). Empty without prefix caching or for an empty prompt.
+        """
+        num_tokens = len(token_ids)
+        if not self.enable_prefix_caching or num_tokens == 0:
+            return []
+        reusable = (num_tokens - 1) // self.block_size
+        return self._cached_prefix(hash_blocks(token_ids[:reusable * self.block_size], self.block_size, salt))
+
     def slot_mapping(self, seq_id, start: int, num_tokens: int) -> list[int]:
         """Physical slots to *write* positions ``start .. start + num_tokens - 1`` of ``seq_id``.
 
