@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlab.kernel_plan import choose_num_splits
 from kvlab.models.context import DECODE, UNIFORM, AttentionContext
 
 
@@ -61,8 +62,6 @@ class CudaGraphs:
 
     def context(self, batch: int) -> AttentionContext:
         """The context a graph of ``batch`` sequences reads: views of the persistent buffers."""
-        from kvlab.kernels.paged_decode import choose_num_splits
-
         tokens = batch * self.query_len
         splits = None
         if self.query_len == 1:   # fixed at capture, from the longest sequence the engine allows

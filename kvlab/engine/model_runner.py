@@ -26,6 +26,8 @@ through the runner's backend (:mod:`kvlab.models.backends`): on a GPU the course
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvlab.accounting import ModelSpec, kv_bytes_per_token
@@ -160,7 +162,7 @@ class ModelRunner:
         positions = [p for s in items for p in range(s.start, s.seq_len)]
         tables = [s.block_table for s in items]
         query_lens = [s.num_new for s in items]
-        rows = [end - 1 for s, end in zip(items, _running_sum(query_lens)) for _ in range(1 + len(s.forks))]
+        rows = [end - 1 for s, end in zip(items, itertools.accumulate(query_lens)) for _ in range(1 + len(s.forks))]
         graphs = self._graphs_for(query_lens)
         if graphs is not None:
             logits = graphs.run(ids, positions, out.slot_mapping(), tables, [s.seq_len for s in items])
@@ -194,11 +196,3 @@ class ModelRunner:
             from kvlab.reference import copy_blocks_ref
 
             copy_blocks_ref([self.kv_cache.k, self.kv_cache.v], mapping)
-
-
-def _running_sum(values: list[int]) -> list[int]:
-    total, out = 0, []
-    for v in values:
-        total += v
-        out.append(total)
-    return out

@@ -69,9 +69,11 @@ def _batch_plan(block_tables, seq_lens, query_lens, block_size, num_tokens, max_
     Every layer of a step hands the same tensor objects (a context builds new ones per step and
     this backend is never replayed from a CUDA graph, so none is changed in place meanwhile)."""
     global _last_plan
+    made_for, plan = _last_plan
+    if made_for and made_for[3] == num_tokens and all(a is b for a, b in zip(made_for, (block_tables, seq_lens,
+                                                                                      query_lens))):
+        return plan
     key = (block_tables, seq_lens, query_lens, num_tokens)
-    if len(_last_plan[0]) == 4 and all(a is b for a, b in zip(_last_plan[0][:3], key)) and _last_plan[0][3] == num_tokens:
-        return _last_plan[1]
     max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     max_query_len = int(query_lens.max()) if max_query_len is None else max_query_len
     if cu_query_lens is None:
