@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kvlab.engine.spec_decode import SpeculativeConfig
 from kvlab.validation import check_bool, check_count, check_fraction
 
 #: Batch sizes a decode step is padded up to, each replayed from its own CUDA graph (as vLLM).
@@ -28,7 +29,9 @@ class EngineConfig:
     ``attention_backend``: ``"auto"`` (the Triton kernels on a GPU, the PyTorch reference on
     the CPU), a registered name, or a function (:mod:`kvlab.models.backends`).
     ``dtype``, ``device``: where and how the model runs. ``seed``: the seed of requests whose
-    SamplingParams give none.
+    SamplingParams give none. ``speculative_config``: None, or a dict of vLLM's keys
+    (:class:`~kvlab.engine.spec_decode.SpeculativeConfig`): ``{"method": "ngram",
+    "num_speculative_tokens": k, ...}`` or ``{"method": "draft_model", "model": path, ...}``.
     """
 
     block_size: int = 16
@@ -43,6 +46,7 @@ class EngineConfig:
     dtype: object = None
     device: object = None
     seed: int | None = 0
+    speculative_config: object = None
 
     def __post_init__(self):
         check_count("block_size", self.block_size, minimum=1)
@@ -55,6 +59,8 @@ class EngineConfig:
         check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         if self.seed is not None:
             check_count("seed", self.seed)
+        if self.speculative_config is not None:
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 
     def resolve(self, context_length: int) -> "EngineConfig":
         """Fill in what depends on the model: ``max_model_len`` (checked against the model's

@@ -12,6 +12,11 @@ Under the hood, one :meth:`LLM.step` is one round of continuous batching::
                                   (a CUDA graph replay for decode steps on a GPU)
     sampler                       one token per sequence, on the device; one copy to the host
     scheduler.update()            append the tokens, fork parallel samples, retire finished sequences
+
+With ``speculative_config``, a proposer guesses k tokens for every decoding sequence right
+after scheduling (their slots booked with ``scheduler.add_draft_tokens``), the forward scores
+all k + 1 positions, and rejection sampling replaces the sampler for those sequences
+(:mod:`kvlab.engine.spec_decode`); ``scheduler.update()`` cuts the rejected drafts' slots off.
     stop strings              checked on the detokenised text (the tokenizer lives here)
 
 :meth:`LLM.generate` queues every prompt and steps until they are all done. A request the
@@ -32,11 +37,13 @@ import torch
 from kvlab import profile
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.detokenizer import detokenize
-from kvlab.engine.model_runner import ModelRunner
-from kvlab.engine.sampler import sample
+from kvlab.engine.model_runner import ModelRunner, block_bytes
+from kvlab.engine.rejection_sampler import greedy_verify, rejection_sample
+from kvlab.engine.sampler import GREEDY_TEMPERATURE, sample, sampling_probs
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
-from kvlab.engine.sequence import Sequence
+from kvlab.engine.sequence import Sequence, SpecDecodeStats
+from kvlab.engine.spec_decode import DEFAULT_DRAFT_MODEL, DraftModelProposer, NgramProposer
 from kvlab.paging.block_pool import BlockPool, blocks_needed
 from kvlab.paging.prefix_hash import check_salt
 
@@ -70,6 +77,7 @@ class RequestOutput:
     finished: bool
     error: str | None = None
     num_cached_tokens: int = 0            # prompt tokens found in the prefix cache
+    spec_decode_stats: SpecDecodeStats | None = None   # drafts proposed and kept, with speculation
 
 
 @dataclass
@@ -100,7 +108,8 @@ class LLM:
     :class:`~kvlab.engine.config.EngineConfig` (vLLM's names: ``block_size``,
     ``num_gpu_blocks``, ``gpu_memory_utilization``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching``,
-    ``enforce_eager``, ``dtype``, ``device``, ``seed``, ``attention_backend``).
+    ``enforce_eager``, ``dtype``, ``device``, ``seed``, ``attention_backend``,
+    ``speculative_config``).
 
     On a GPU the engine captures CUDA graphs of decode steps at start-up (a progress bar
     shows it); ``enforce_eager=True`` runs every step eagerly instead.
@@ -118,16 +127,22 @@ class LLM:
             raise TypeError(f"LLM got unknown settings {sorted(unknown)}; known: "
                             f"{', '.join(EngineConfig.__dataclass_fields__)}")
         config = EngineConfig(**settings)
-        self.model, self.tokenizer = _load(model, tokenizer, config.dtype, config.device or profile.DEVICE)
+        device = config.device or profile.DEVICE
+        self.model, self.tokenizer = _load(model, tokenizer, config.dtype, device)
         self.config = self.model.config
         self.engine_config = config.resolve(self.config.max_position_embeddings)
         self.max_model_len = config.max_model_len
+        spec = config.speculative_config
+        draft = self._load_draft(spec, config, device) if spec and spec.method == "draft_model" else None
         self.model_runner = ModelRunner(
             self.model, block_size=config.block_size, num_gpu_blocks=config.num_gpu_blocks,
             gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
-            cudagraph_batch_sizes=config.cudagraph_batch_sizes())
+            cudagraph_batch_sizes=config.cudagraph_batch_sizes(),
+            extra_block_bytes=block_bytes(draft.config, config.block_size, draft.dtype) if draft else 0)
+        self.proposer = self._make_proposer(spec, draft, config)
+        self.spec_decode_stats = SpecDecodeStats() if spec else None
         self.sampler = sample
         self.use_pool(BlockPool(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching))
         self.requests: dict[str, Request] = {}
@@ -146,8 +161,34 @@ class LLM:
                              f"{self.engine_config.block_size} tokens, got {pool.num_blocks} of {pool.block_size}")
         c = self.engine_config
         self.pool = pool
+        k = c.speculative_config.num_speculative_tokens if c.speculative_config else 0
         self.scheduler = Scheduler(pool, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
-                                   self.config.eos_token_ids)
+                                   self.config.eos_token_ids, num_lookahead_tokens=k)
+
+    def _load_draft(self, spec, config: EngineConfig, device):
+        """The draft model of ``speculative_config``, checked against the target."""
+        draft, _ = _load(spec.model if spec.model is not None else DEFAULT_DRAFT_MODEL, None, config.dtype, device)
+        if draft.config.vocab_size != self.config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model's vocabulary has {draft.config.vocab_size} "
+                             f"tokens, the target's {self.config.vocab_size}: they must share one tokenizer")
+        if draft.config.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"speculative_config: the draft model's context ({draft.config.max_position_embeddings}) "
+                             f"is shorter than max_model_len={self.max_model_len}")
+        return draft
+
+    def _make_proposer(self, spec, draft, config: EngineConfig):
+        """The proposer of ``speculative_config`` (None without one); verification steps of
+        k + 1 tokens per sequence get CUDA graphs of their own."""
+        if spec is None:
+            return None
+        self.model_runner.capture_uniform_graphs(spec.num_speculative_tokens + 1)
+        if draft is None:
+            return NgramProposer(spec)
+        runner = ModelRunner(draft, block_size=config.block_size, num_gpu_blocks=self.model_runner.num_blocks,
+                             max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len,
+                             attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
+                             cudagraph_batch_sizes=config.cudagraph_batch_sizes())
+        return DraftModelProposer(spec, runner)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -210,6 +251,7 @@ class LLM:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish_sequence(seq, "abort")
+        self._forget_drafts(request.seqs)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -232,24 +274,109 @@ class LLM:
         ended = list(out.finished)
         if out.scheduled:
             try:
+                draft_probs = self._propose(out) if self.proposer else None
                 logits = self.model_runner.compute_logits(out)
-                params = [s.params for s in out.sample_seqs]
-                sampled = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
-                                       [p.top_p for p in params], [s.generator for s in out.sample_seqs])
-                tokens, logprobs = sampled.tolist()
+                tokens, logprobs = self._sample(out, logits, draft_probs)
             except Exception as e:       # noqa: BLE001  (a failed step ends its requests, not the engine)
                 ended += self.scheduler.abandon(out, f"the step failed: {type(e).__name__}: {e}")
             else:
                 ended += self.scheduler.update(out, tokens, logprobs)
+                self._after_verification(out, tokens)
                 ended += self._check_stop_strings(out.sample_seqs)
         elif not ended and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not run anything: no request fits (a bug)")
+        self._forget_drafts([*ended, *out.preempted])
         touched = dict.fromkeys(s.request_id for s in [*out.sample_seqs, *ended])
         outputs = [self._output(self.requests[rid]) for rid in touched if rid in self.requests]
         for o in outputs:
             if o.finished:
                 del self.requests[o.request_id]
         return outputs
+
+    def _sample(self, out, logits, draft_probs=None) -> tuple[list, list]:
+        """Tokens and log-probabilities for every sample of the step (``out.sample_seqs`` order):
+        one token each from the sampler, or, for a sequence verifying drafts, what rejection
+        sampling emits."""
+        samples, verifying = out.sample_seqs, [s for s in out.scheduled if s.spec_token_ids]
+        if not verifying:
+            return self._sample_rows(logits, samples)
+        tokens, logprobs = [None] * len(samples), [None] * len(samples)
+        plain, plain_rows, row = [], [], 0
+        where = {id(seq): i for i, seq in enumerate(samples)}
+        for item in out.scheduled:
+            n = item.num_logits + len(item.forks)
+            if not item.spec_token_ids:
+                plain += [where[id(s)] for s in (item.seq, *item.forks)]
+                plain_rows += range(row, row + n)
+            row += n
+        if plain:
+            for i, t, lp in zip(plain, *self._sample_rows(logits[plain_rows], [samples[i] for i in plain])):
+                tokens[i], logprobs[i] = [t], [lp]
+        for item, (t, lp) in zip(verifying, self._verify(out, logits, verifying, draft_probs)):
+            tokens[where[id(item.seq)]], logprobs[where[id(item.seq)]] = t, lp
+        return tokens, logprobs
+
+    def _sample_rows(self, logits, seqs) -> tuple[list[int], list[float]]:
+        params = [s.params for s in seqs]
+        sampled = self.sampler(logits, [p.temperature for p in params], [p.top_k for p in params],
+                               [p.top_p for p in params], [s.generator for s in seqs])
+        return sampled.tolist()
+
+    def _verify(self, out, logits, items, draft_probs) -> list[tuple[list[int], list[float]]]:
+        """Rejection sampling for the sequences that verify drafts: ``(tokens, logprobs)`` each."""
+        results = {}
+        starts = list(itertools.accumulate([s.num_logits + len(s.forks) for s in out.scheduled], initial=0))
+        start_of = {id(s): r for s, r in zip(out.scheduled, starts)}
+        for k in sorted({len(s.spec_token_ids) for s in items}):      # one group unless near max_model_len
+            group = [s for s in items if len(s.spec_token_ids) == k]
+            index = torch.tensor([start_of[id(s)] + j for s in group for j in range(k + 1)], device=logits.device)
+            scores = logits[index].view(len(group), k + 1, -1)
+            drafts = torch.tensor([s.spec_token_ids for s in group], device=logits.device)
+            params = [s.seq.params for s in group]
+            if all(p.temperature < GREEDY_TEMPERATURE for p in params):
+                emitted = greedy_verify(drafts, scores.argmax(dim=-1))
+            else:
+                rep = lambda values: [v for v in values for _ in range(k + 1)]  # noqa: E731
+                target = sampling_probs(scores.flatten(0, 1), rep([p.temperature for p in params]),
+                                        rep([p.top_k for p in params]), rep([p.top_p for p in params]))
+                q = None if draft_probs is None else draft_probs[[self._draft_row[id(s)] for s in group], :k]
+                emitted = rejection_sample(drafts, q, target.view(len(group), k + 1, -1),
+                                           [s.seq.generator for s in group])
+            lps = scores.log_softmax(dim=-1).gather(2, emitted.clamp(min=0)[..., None]).squeeze(2)
+            rows = torch.stack((emitted.double(), lps.double())).tolist()
+            for s, t_row, lp_row in zip(group, *rows):
+                n = sum(t >= 0 for t in t_row)
+                results[id(s)] = ([int(t) for t in t_row[:n]], lp_row[:n])
+        return [results[id(s)] for s in items]
+
+    def _propose(self, out):
+        """Drafts for every decoding sequence of the step, booked in the pool (padded with -1 up
+        to k, so that the step stays uniform: k + 1 tokens per sequence, a CUDA graph on a GPU).
+        Returns the draft model's probabilities (None for n-gram drafts)."""
+        items = [s for s in out.scheduled if not s.is_prefill and s.num_new == 1]
+        if not items:
+            return None
+        k = self.engine_config.speculative_config.num_speculative_tokens
+        room = [max(0, min(k, self.max_model_len - s.seq.num_tokens)) for s in items]
+        drafts, probs = self.proposer.propose([s.seq for s in items], room)
+        self._draft_row = {id(s): i for i, s in enumerate(items)}
+        if any(drafts):
+            for item, d, r in zip(items, drafts, room):
+                if r:
+                    self.scheduler.add_draft_tokens(out, item, d + [-1] * (r - len(d)))
+        return probs
+
+    def _after_verification(self, out, tokens) -> None:
+        """Roll the draft's cache back to what was kept; count drafts proposed and kept."""
+        for item in out.scheduled:
+            if item.spec_token_ids:
+                self.proposer.rollback(item.seq)
+                emitted = len(tokens[out.sample_seqs.index(item.seq)])
+                self.spec_decode_stats.record(item.spec_token_ids, emitted - 1)
+
+    def _forget_drafts(self, seqs) -> None:
+        if self.proposer is not None:
+            self.proposer.forget([s.seq_id for s in seqs])
 
     # -- requests ----------------------------------------------------------------------------
     def _build_request(self, item, params, request_id: str | None = None) -> Request:
@@ -355,8 +482,13 @@ class LLM:
                                     s.finish_reason, s.stop_reason) for s in request.seqs]
         error = request.error or next((s.error for s in request.seqs if s.error), None)
         cached = request.seqs[0].num_cached_tokens if request.seqs else None
+        stats = None
+        if self.proposer is not None:
+            stats = SpecDecodeStats()
+            for s in request.seqs:
+                stats = stats.add(s.spec_stats)
         return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids, outputs,
-                             request.finished, error, cached or 0)
+                             request.finished, error, cached or 0, stats)
 
 
 # -- helpers -------------------------------------------------------------------------------------

@@ -63,8 +63,9 @@ class ModelRunner:
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  attention_backend="auto", enforce_eager: bool = False,
-                 cudagraph_batch_sizes: list[int] | None = None):
+                 cudagraph_batch_sizes: list[int] | None = None, extra_block_bytes: int = 0):
         check_count("block_size", block_size, minimum=1)
+        self.extra_block_bytes = check_count("extra_block_bytes", extra_block_bytes)
         self.model = model.fuse()
         self.config = model.config
         self.device = model.device
@@ -106,7 +107,8 @@ class ModelRunner:
     # -- sizing the cache ------------------------------------------------------------------
     def default_num_blocks(self, gpu_memory_utilization: float, max_num_seqs: int, max_num_batched_tokens: int,
                            max_graph_batch: int = 0) -> int:
-        per_block = block_bytes(self.config, self.block_size, self.model.dtype)
+        # extra_block_bytes: what each block costs elsewhere (a draft model's cache of as many blocks)
+        per_block = block_bytes(self.config, self.block_size, self.model.dtype) + self.extra_block_bytes
         if self.device.type == "cuda":
             budget = self._gpu_kv_budget(gpu_memory_utilization, max_num_batched_tokens, max_graph_batch)
             if budget < per_block:
@@ -152,22 +154,33 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def compute_logits(self, out: SchedulerOutput) -> torch.Tensor:
-        """Apply the step's copies, run the forward, return ``[len(out.sample_seqs), vocab]`` logits
-        (float32): a row per sequence, from its last token, repeated for the samples forked off it."""
+        """Apply the step's copies, run the forward, return float32 logits: for each scheduled
+        sequence, those of its last ``1 + len(spec_token_ids)`` tokens (one row, or the k + 1
+        rows that verify its drafts), its last row repeated for the samples forked off it."""
         self.apply_copies(out.blocks_to_copy)
         if not out.scheduled:
             return torch.empty(0, self.config.vocab_size, device=self.device)
         items = out.scheduled
-        ids = [t for s in items for t in s.seq.token_ids[s.start:s.seq_len]]
+        ids = [t for s in items for t in s.token_ids]
         positions = [p for s in items for p in range(s.start, s.seq_len)]
-        tables = [s.block_table for s in items]
         query_lens = [s.num_new for s in items]
-        rows = [end - 1 for s, end in zip(items, itertools.accumulate(query_lens)) for _ in range(1 + len(s.forks))]
+        rows = []
+        for s, end in zip(items, itertools.accumulate(query_lens)):
+            rows += range(end - s.num_logits, end)
+            rows += [end - 1] * len(s.forks)
+        return self.run(ids, positions, [s.block_table for s in items], [s.start for s in items], query_lens,
+                        out.slot_mapping(), rows)
+
+    @torch.inference_mode()
+    def run(self, ids, positions, tables, starts, query_lens, slots, rows) -> torch.Tensor:
+        """One forward of a step given as host lists; the float32 logits of the packed token
+        rows ``rows``. Replays a CUDA graph when one fits, else runs eagerly."""
         graphs = self._graphs_for(query_lens)
         if graphs is not None:
-            logits = graphs.run(ids, positions, out.slot_mapping(), tables, [s.seq_len for s in items])
+            seq_lens = [start + q for start, q in zip(starts, query_lens)]
+            logits = graphs.run(ids, positions, slots, tables, seq_lens)
             return (logits if rows == list(range(len(ids))) else logits[rows]).float()
-        hidden = self.forward(ids, positions, tables, [s.start for s in items], query_lens, out.slot_mapping())
+        hidden = self.forward(ids, positions, tables, starts, query_lens, slots)
         return self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)]).float()
 
     def _graphs_for(self, query_lens: list[int]) -> CudaGraphs | None:

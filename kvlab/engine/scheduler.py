@@ -43,11 +43,23 @@ class ScheduledSequence:
     is_prefill: bool = False   # admitted this step (a prompt, or prompt + output after preemption)
     forks: list[Sequence] = field(default_factory=list)  # samples to fork off it after this step
     block_table: list[int] = field(default_factory=list)  # its blocks once the step is booked
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts it verifies (-1: padding)
 
     @property
     def seq_len(self) -> int:
-        """Tokens of the sequence in the cache after this step."""
+        """Tokens of the sequence in the cache after this step (drafts included)."""
         return self.start + self.num_new
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes: the sequence's uncomputed ones, then its drafts
+        (padding drafts as token 0: their results are never kept)."""
+        return self.seq.token_ids[self.start:] + [max(t, 0) for t in self.spec_token_ids]
+
+    @property
+    def num_logits(self) -> int:
+        """Logit rows it needs: one, or one per draft plus the bonus position."""
+        return 1 + len(self.spec_token_ids)
 
 
 @dataclass
@@ -89,7 +101,7 @@ class Scheduler:
     """FCFS continuous batching with recompute preemption, on a :class:`BlockPool`."""
 
     def __init__(self, pool: BlockPool, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, eos_token_ids=()):
+                 max_model_len: int | None = None, eos_token_ids=(), num_lookahead_tokens: int = 0):
         check_count("max_num_seqs", max_num_seqs, minimum=1)
         check_count("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
         if max_num_batched_tokens < max_num_seqs:
@@ -100,6 +112,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # speculative decoding: every running sequence may verify this many drafts per step,
+        # so each counts 1 + num_lookahead_tokens tokens against the step's budget
+        self.num_lookahead_tokens = check_count("num_lookahead_tokens", num_lookahead_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order, oldest first
         # counters, for tests and notebooks
@@ -148,7 +163,7 @@ class Scheduler:
             kept.append(seq)
             out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, 1))
         self.running = kept
-        return self.max_num_batched_tokens - len(kept)
+        return self.max_num_batched_tokens - len(kept) * (1 + self.num_lookahead_tokens)
 
     def _make_room(self, seq: Sequence, queue: deque, kept: list, out: SchedulerOutput) -> bool:
         """Free blocks until ``seq`` can take one more token; False if ``seq`` itself had to go."""
@@ -219,6 +234,22 @@ class Scheduler:
         return (f"the KV cache is too small: the sequence needs {blocks_needed(seq.num_tokens, bs)} blocks "
                 f"of {bs} tokens to go on, the whole cache has {self.pool.num_blocks}")
 
+    def add_draft_tokens(self, out: SchedulerOutput, item: ScheduledSequence, draft_token_ids: list[int]) -> bool:
+        """Book slots for a decoding sequence's drafts (-1 for padding) in step ``out``, so the
+        step verifies them. False (and nothing booked) if the pool has no room for them."""
+        if item.is_prefill or item.spec_token_ids or item.num_new != 1:
+            raise ValueError("only a decoding sequence without drafts can take drafts")
+        n = len(draft_token_ids)
+        if n == 0 or not self.pool.can_append(item.seq.seq_id, n):
+            return False
+        self.pool.append(item.seq.seq_id, n, [max(t, 0) for t in draft_token_ids], cache=False)
+        item.spec_token_ids = [int(t) for t in draft_token_ids]
+        item.num_new += n
+        item.block_table = self.pool.block_table(item.seq.seq_id)
+        out.blocks_to_copy += self.pool.take_copies()
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+        return True
+
     # -- changing a sequence's state ---------------------------------------------------------
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.pool.free(seq.seq_id)
@@ -249,27 +280,49 @@ class Scheduler:
     # -- after the step ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled_token_ids, logprobs=None) -> list[Sequence]:
         """Record a step's results: ``sampled_token_ids[i]`` (and ``logprobs[i]``) belong to
-        ``out.sample_seqs[i]``. Returns the sequences that finished."""
+        ``out.sample_seqs[i]``: one token, or, for a sequence that verified drafts, the list it
+        emitted (its accepted drafts, then one more). Returns the sequences that finished.
+
+        A verifying sequence keeps the K/V of its accepted drafts; the slots of the rejected
+        ones are given back (:meth:`BlockPool.truncate`) before any block is cached."""
         if out.scheduled and out is not self._unrecorded:
             raise ValueError("update() takes the output of the latest schedule(), once")
         samples = out.sample_seqs
-        tokens = [int(t) for t in sampled_token_ids]
+        tokens = [[int(t) for t in x] if isinstance(x, (list, tuple)) else [int(x)] for x in sampled_token_ids]
         if len(tokens) != len(samples):
-            raise ValueError(f"the step sampled {len(tokens)} tokens for {len(samples)} sequences")
-        self._unrecorded = None
-        logprobs = [0.0] * len(tokens) if logprobs is None else [float(x) for x in logprobs]
+            raise ValueError(f"the step sampled tokens for {len(tokens)} sequences, it ran {len(samples)}")
+        if logprobs is None:
+            logprobs = [[0.0] * len(t) for t in tokens]
+        logprobs = [[float(v) for v in x] if isinstance(x, (list, tuple)) else [float(x)] for x in logprobs]
+        emitted = dict(zip(map(id, samples), tokens))
         for item in out.scheduled:
-            item.seq.num_computed_tokens = item.start + item.num_new
-            self.pool.cache_blocks(item.seq.seq_id, item.seq.num_computed_tokens)   # their K/V exists now
+            got = len(emitted[id(item.seq)])
+            if not 1 <= got <= item.num_logits:
+                raise ValueError(f"sequence {item.seq.seq_id} emitted {got} tokens; a step gives it "
+                                 f"1..{item.num_logits}")
+        self._unrecorded = None
+        for item in out.scheduled:
+            self._record_computed(item, len(emitted[id(item.seq)]) - 1)
             self._fork(item)
         finished = []
-        for seq, token, logprob in zip(samples, tokens, logprobs):
-            seq.append_token(token, logprob)
-            if seq.check_stop(self.eos_token_ids, self.max_model_len):
-                finished.append(seq)
+        for seq, new, lps in zip(samples, tokens, logprobs):
+            for token, logprob in zip(new, lps):
+                seq.append_token(token, logprob)
+                if seq.check_stop(self.eos_token_ids, self.max_model_len):
+                    finished.append(seq)
+                    break
         for seq in finished:
             self._release(seq)
         return finished
+
+    def _record_computed(self, item: ScheduledSequence, num_accepted: int) -> None:
+        """The step computed ``item``'s tokens; of its drafts, ``num_accepted`` were kept."""
+        seq = item.seq
+        seq.num_computed_tokens = item.seq_len - len(item.spec_token_ids) + num_accepted
+        if item.spec_token_ids:
+            self.pool.truncate(seq.seq_id, seq.num_computed_tokens)      # rollback of the rejected
+            seq.spec_stats.record(item.spec_token_ids, num_accepted)
+        self.pool.cache_blocks(seq.seq_id, seq.num_computed_tokens)      # their K/V exists now
 
     def abandon(self, out: SchedulerOutput, error: str) -> list[Sequence]:
         """The step ``out`` failed before its tokens were sampled: end every sequence it ran (and

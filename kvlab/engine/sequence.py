@@ -17,6 +17,7 @@ prefix cache already holds), one token per decode step, prompt + output after a 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +29,51 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding of one sequence (or, summed, of a request or the engine).
+
+    ``num_drafts``: verification steps that checked at least one draft; ``num_draft_tokens``:
+    drafts proposed (padding not counted); ``num_accepted_tokens``: drafts kept;
+    ``accepted_per_position[i]``: steps whose draft ``i + 1`` was kept.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, spec_token_ids: list[int], num_accepted: int) -> None:
+        proposed = sum(t >= 0 for t in spec_token_ids)
+        if not proposed:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += num_accepted
+        grow = len(spec_token_ids) - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(0, grow)
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    def add(self, other: "SpecDecodeStats") -> "SpecDecodeStats":
+        width = max(len(self.accepted_per_position), len(other.accepted_per_position))
+        pad = lambda x: x + [0] * (width - len(x))  # noqa: E731
+        return SpecDecodeStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                               self.num_accepted_tokens + other.num_accepted_tokens,
+                               [a + b for a, b in zip(pad(self.accepted_per_position),
+                                                      pad(other.accepted_per_position))])
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Drafts kept per draft proposed."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts plus the one the target adds."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
 class Sequence:
@@ -53,6 +99,7 @@ class Sequence:
         self.error: str | None = None
         self.text_state = TextState()             # its output as text, decoded step by step
         self.cache_salt: str | bytes | None = None  # its tenant (see BlockPool.allocate)
+        self.spec_stats = SpecDecodeStats()       # its speculative decoding, if any
 
     # -- tokens ---------------------------------------------------------------------------
     @property

@@ -225,6 +225,31 @@ class BlockPool:
                 self._register_full_blocks(seq_id)
         return new_blocks + grown
 
+    def truncate(self, seq_id, num_tokens: int) -> list[int]:
+        """Cut ``seq_id`` back to its first ``num_tokens`` tokens (speculative decoding's rollback:
+        the rejected draft tokens' slots are given up); returns the blocks nobody holds any more.
+
+        Blocks left empty are released as by :meth:`free`; the partly filled last block stays.
+        Refuses to cut into a block registered in the prefix cache: its hash promises its
+        tokens, and the slots cut would be written again with others.
+        """
+        table = self._table(seq_id)
+        check_count("num_tokens", num_tokens)
+        length = self.seq_lens[seq_id]
+        if num_tokens > length:
+            raise ValueError(f"num_tokens={num_tokens} is more than sequence {seq_id!r}'s {length} tokens: "
+                             f"truncate only cuts")
+        if self.enable_prefix_caching and num_tokens < len(self.seq_hashes[seq_id]) * self.block_size:
+            raise ValueError(f"cannot cut sequence {seq_id!r} to {num_tokens} tokens: its first "
+                             f"{len(self.seq_hashes[seq_id]) * self.block_size} are in cached blocks")
+        keep = blocks_needed(num_tokens, self.block_size)
+        dropped = table[keep:]
+        del table[keep:]
+        self.seq_lens[seq_id] = num_tokens
+        if self.enable_prefix_caching:
+            del self.seq_tokens[seq_id][num_tokens:]
+        return self._release(dropped)
+
     def fork(self, parent, child) -> list[int]:
         """Make ``child`` a new sequence sharing every block of ``parent``; returns its table."""
         table = self._table(parent)
@@ -251,16 +276,7 @@ class BlockPool:
         for attrs in (self.block_tables, self.seq_lens, self.seq_tokens, self.seq_salts, self.seq_hashes,
                       self.num_cached_tokens):
             attrs.pop(seq_id, None)
-        released = []
-        for block in table:
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                released.append(block)
-        for block in reversed(released):
-            if self.block_hashes[block] is not None:
-                self.evictable[block] = None
-        self.free_blocks.extend(b for b in released if self.block_hashes[b] is None)
-        return released
+        return self._release(table)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write pairs recorded since the last call, for ``copy_blocks``."""
@@ -320,6 +336,22 @@ class BlockPool:
             raise OutOfBlocksError("no free block (callers check the free count first)")
         self.ref_counts[block] = 1
         return block
+
+    def _release(self, blocks: list[int]) -> list[int]:
+        """Drop one hold on each of ``blocks`` (a sequence's, in table order); returns those
+        nobody holds now. Cached ones stay reusable (evictable), tail first."""
+        released = []
+        for block in blocks:
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                released.append(block)
+        for block in reversed(released):
+            if self.block_hashes[block] is not None:
+                self.evictable[block] = None
+        self.free_blocks.extend(b for b in released if self.block_hashes[b] is None)
+        if self.pending_copies and released:      # a copy into a block given back is moot
+            self.pending_copies = [(src, dst) for src, dst in self.pending_copies if dst not in released]
+        return released
 
     def _hold(self, block: int) -> None:
         """One more holder for a cached block; a freed one is revived, hash and all."""

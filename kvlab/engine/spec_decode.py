@@ -1,0 +1,214 @@
+"""Speculative decoding: propose k tokens cheaply, verify them all in one target forward.
+
+A decode step reads every weight and the whole KV cache to produce one token per sequence;
+scoring ``k + 1`` tokens of a sequence in the same step reads the same bytes, so it costs about
+the same. A *proposer* guesses the next ``k`` tokens; the target scores them in one forward
+(the uniform phase: ``k + 1`` query tokens per sequence over its paged prefix); rejection
+sampling (:mod:`kvlab.engine.rejection_sampler`) keeps a prefix of them and adds one token, so
+the output is distributed exactly as without speculation.
+
+Two proposers, configured as in vLLM (``LLM(speculative_config={...})``):
+
+* ``{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+  "prompt_lookup_max": 4}``: find the sequence's last n tokens earlier in its own tokens
+  (prompt and output; the longest n first, its most recent occurrence) and propose the k
+  tokens that followed. No model; the drafts are deterministic (one-hot ``q``).
+* ``{"method": "draft_model", "model": <checkpoint folder>, "num_speculative_tokens": k}``: a
+  small model with the target's vocabulary proposes k tokens autoregressively, on its own paged
+  KV cache (its own :class:`~kvlab.paging.BlockPool`), sampling with each request's settings.
+
+**Rollback.** Verification writes K/V for all k + 1 positions. Rejected positions are cut off
+afterwards (:meth:`BlockPool.truncate`), so blocks left empty go back to the pool and only
+blocks whose tokens were accepted are ever registered in the prefix cache. The draft's cache is
+cut back the same way, to the tokens it fed that the sequence kept.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvlab.engine.sampler import GREEDY_TEMPERATURE, sampling_probs
+from kvlab.errors import OutOfBlocksError
+from kvlab.paging.block_pool import BlockPool
+from kvlab.validation import check_count
+
+METHODS = ("ngram", "draft_model")
+DEFAULT_DRAFT_MODEL = Path(__file__).resolve().parent.parent / "models" / "weights" / "kvlab-tiny-draft"
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``speculative_config``, checked (vLLM's keys)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+    model: object = None
+
+    @classmethod
+    def from_dict(cls, config) -> "SpeculativeConfig":
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise TypeError(f"speculative_config must be a dict, got {type(config).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = set(config) - known
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        config = dict(config)
+        if "method" not in config:   # vLLM: a draft model's path alone means "draft_model"
+            config["method"] = "draft_model" if config.get("model") is not None else None
+        if config["method"] not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {METHODS}, got {config['method']!r}")
+        if "num_speculative_tokens" not in config:
+            raise ValueError("speculative_config needs num_speculative_tokens (k >= 1)")
+        check_count("num_speculative_tokens", config["num_speculative_tokens"], minimum=1)
+        spec = cls(**config)
+        check_count("prompt_lookup_min", spec.prompt_lookup_min, minimum=1)
+        check_count("prompt_lookup_max", spec.prompt_lookup_max, minimum=spec.prompt_lookup_min)
+        if spec.method == "ngram" and spec.model is not None:
+            raise ValueError("speculative_config: the ngram method uses no model; drop 'model'")
+        return spec
+
+
+# -- n-gram (prompt lookup) ----------------------------------------------------------------------
+def propose_ngram(token_ids, num_speculative_tokens: int, prompt_lookup_min: int = 1,
+                  prompt_lookup_max: int = 4) -> list[int]:
+    """Up to ``num_speculative_tokens`` drafts for a sequence of ``token_ids``: the tokens that
+    followed the most recent earlier occurrence of its last n tokens, trying the longest n in
+    ``prompt_lookup_max .. prompt_lookup_min`` first; [] if no suffix occurs earlier."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    length = len(tokens)
+    for n in range(min(prompt_lookup_max, length - 1), prompt_lookup_min - 1, -1):
+        # windows starting at 0 .. length - n - 1: each is followed by at least one token
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + num_speculative_tokens].tolist()
+    return []
+
+
+class NgramProposer:
+    """Drafts from the sequence's own tokens (no model, no cache, deterministic)."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.config = config
+
+    def propose(self, seqs, room: list[int]):
+        """``(drafts per sequence, None)``: at most ``room[i]`` drafts for ``seqs[i]``; None
+        because deterministic drafts have one-hot probabilities."""
+        c = self.config
+        return [propose_ngram(s.token_ids, min(r, c.num_speculative_tokens), c.prompt_lookup_min,
+                              c.prompt_lookup_max) for s, r in zip(seqs, room)], None
+
+    def rollback(self, seq) -> None:
+        pass
+
+    def forget(self, seq_ids) -> None:
+        pass
+
+
+class DraftModelProposer:
+    """A small model proposes k tokens per sequence on its own paged KV cache.
+
+    ``runner`` is a :class:`~kvlab.engine.model_runner.ModelRunner` of the draft model, with
+    as many blocks as the target's cache (the draft never holds more tokens than the target,
+    plus k - 1). The draft's pool tracks, per sequence, the positions whose draft K/V exists.
+    """
+
+    def __init__(self, config: SpeculativeConfig, runner):
+        self.k = config.num_speculative_tokens
+        self.runner = runner
+        self.pool = BlockPool(runner.num_blocks, runner.block_size)
+        self.fed: dict[int, tuple[int, list[int]]] = {}   # seq_id -> (its length then, drafts fed back)
+
+    @torch.inference_mode()
+    def propose(self, seqs, room: list[int]):
+        """``(drafts, q)``: k drafts for each sequence that has room for k (others get []), and
+        ``q`` [len(seqs), k, vocab], the distributions they were drawn from (zeros for rows
+        without drafts)."""
+        starts = {i: self._book(seqs[i]) for i, r in enumerate(room) if r >= self.k}
+        rows = [i for i, start in starts.items() if start is not None]
+        q = torch.zeros(len(seqs), self.k, self.runner.config.vocab_size, device=self.runner.device)
+        drafts: list[list[int]] = [[] for _ in seqs]
+        if not rows:
+            return drafts, q
+        chosen = [seqs[i] for i in rows]
+        at = [starts[i] for i in rows]
+        new = [s.token_ids[start:] for s, start in zip(chosen, at)]   # what the draft has not seen
+        for j in range(self.k):
+            probs = self._probs(self._forward(chosen, at, new), chosen)
+            tokens = self._draw(probs, chosen)
+            q[rows, j] = probs
+            for i, t in zip(rows, tokens):
+                drafts[i].append(t)
+            at = [start + len(n) for start, n in zip(at, new)]
+            new = [[t] for t in tokens]
+        for i in rows:
+            self.fed[seqs[i].seq_id] = (seqs[i].num_tokens, drafts[i][:-1])
+        return drafts, q
+
+    def _book(self, seq) -> int | None:
+        """Book the slots this proposal writes: the sequence's tokens the draft has not seen,
+        then k - 1 drafts. Returns the first unseen position (None: no room, no drafts)."""
+        seen = self.pool.seq_len(seq.seq_id) if seq.seq_id in self.pool else None
+        total = seq.num_tokens + self.k - 1
+        try:
+            if seen is None:
+                self.pool.allocate(seq.seq_id, total)
+            else:
+                self.pool.append(seq.seq_id, total - seen)
+        except OutOfBlocksError:
+            self.forget([seq.seq_id])
+            return None
+        return seen or 0
+
+    def _forward(self, seqs, starts, new) -> torch.Tensor:
+        """One draft forward over each sequence's ``new`` tokens; the logits of each one's last."""
+        tables = [self.pool.block_table(s.seq_id) for s in seqs]
+        query_lens = [len(n) for n in new]
+        ids = [t for n in new for t in n]
+        positions = [p for start, n in zip(starts, new) for p in range(start, start + len(n))]
+        slots = [slot for s, start, n in zip(seqs, starts, new)
+                 for slot in self.pool.slot_mapping(s.seq_id, start, len(n))]
+        ends = np.cumsum(query_lens) - 1
+        return self.runner.run(ids, positions, tables, starts, query_lens, slots, ends.tolist())
+
+    @staticmethod
+    def _probs(logits, seqs) -> torch.Tensor:
+        p = [s.params for s in seqs]
+        return sampling_probs(logits, [x.temperature for x in p], [x.top_k for x in p], [x.top_p for x in p])
+
+    @staticmethod
+    def _draw(probs, seqs) -> list[int]:
+        """A draft token per row: the argmax for greedy requests, else a draw with the
+        request's generator."""
+        tokens = probs.argmax(dim=-1)
+        for i, s in enumerate(seqs):
+            if s.params.temperature >= GREEDY_TEMPERATURE:
+                tokens[i] = torch.multinomial(probs[i], 1, generator=s.generator)[0]
+        return tokens.tolist()
+
+    def rollback(self, seq) -> None:
+        """Cut the draft's cache of ``seq`` back to the tokens it fed that ``seq`` kept."""
+        if seq.seq_id not in self.fed or seq.seq_id not in self.pool:
+            return
+        length, fed = self.fed.pop(seq.seq_id)
+        kept = 0
+        for token, actual in zip(fed, seq.token_ids[length:]):
+            if token != actual:
+                break
+            kept += 1
+        self.pool.truncate(seq.seq_id, length + kept)
+
+    def forget(self, seq_ids) -> None:
+        """The sequences ended or were preempted: free their draft blocks."""
+        for seq_id in seq_ids:
+            self.fed.pop(seq_id, None)
+            if seq_id in self.pool:
+                self.pool.free(seq_id)
