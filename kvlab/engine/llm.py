@@ -118,7 +118,9 @@ class LLM:
     with the backend's signature, :mod:`kvlab.models.backends`); ``llm.pool`` (replace it,
     before any request, with a :class:`~kvlab.paging.BlockPool`-compatible pool of
     ``llm.model_runner.num_blocks`` blocks: ``llm.use_pool(pool)``); ``llm.sampler`` (a function
-    with :func:`kvlab.engine.sampler.sample`'s signature).
+    with :func:`kvlab.engine.sampler.sample`'s signature); ``llm.rejection_sampler`` (a function
+    with :func:`kvlab.engine.rejection_sampler.rejection_sample`'s signature); ``llm.proposer``
+    (an object with :class:`~kvlab.engine.spec_decode.NgramProposer`'s methods).
     """
 
     def __init__(self, model=None, tokenizer=None, **settings):
@@ -144,6 +146,7 @@ class LLM:
         self.proposer = self._make_proposer(spec, draft, config)
         self.spec_decode_stats = SpecDecodeStats() if spec else None
         self.sampler = sample
+        self.rejection_sampler = rejection_sample
         self.use_pool(BlockPool(self.model_runner.num_blocks, config.block_size, config.enable_prefix_caching))
         self.requests: dict[str, Request] = {}
         self.last_schedule = None               # the SchedulerOutput of the latest step
@@ -333,15 +336,15 @@ class LLM:
             scores = logits[index].view(len(group), k + 1, -1)
             drafts = torch.tensor([s.spec_token_ids for s in group], device=logits.device)
             params = [s.seq.params for s in group]
-            if all(p.temperature < GREEDY_TEMPERATURE for p in params):
-                emitted = greedy_verify(drafts, scores.argmax(dim=-1))
+            if self.rejection_sampler is rejection_sample and all(p.temperature < GREEDY_TEMPERATURE for p in params):
+                emitted = greedy_verify(drafts, scores.argmax(dim=-1))   # the same result, no randomness
             else:
                 rep = lambda values: [v for v in values for _ in range(k + 1)]  # noqa: E731
                 target = sampling_probs(scores.flatten(0, 1), rep([p.temperature for p in params]),
                                         rep([p.top_k for p in params]), rep([p.top_p for p in params]))
                 q = None if draft_probs is None else draft_probs[[self._draft_row[id(s)] for s in group], :k]
-                emitted = rejection_sample(drafts, q, target.view(len(group), k + 1, -1),
-                                           [s.seq.generator for s in group])
+                emitted = self.rejection_sampler(drafts, q, target.view(len(group), k + 1, -1),
+                                                 [s.seq.generator for s in group])
             lps = scores.log_softmax(dim=-1).gather(2, emitted.clamp(min=0)[..., None]).squeeze(2)
             rows = torch.stack((emitted.double(), lps.double())).tolist()
             for s, t_row, lp_row in zip(group, *rows):

@@ -12,7 +12,12 @@ the course:
   one masked ``scaled_dot_product_attention``): the CPU profile's engine runs this;
 * ``"triton"``: the course's kernels. A **decode** step (one query per sequence) goes to
   :func:`~kvlab.kernels.paged_decode` (FlashDecoding, chapter 6); every other step (prompts,
-  chunks, speculative verification) to :func:`~kvlab.kernels.paged_prefill` (chapter 5).
+  chunks, speculative verification) to :func:`~kvlab.kernels.paged_prefill` (chapter 5), except
+  a small **uniform** step (speculative verification of q = k + 1 tokens for a few sequences):
+  its q queries per sequence go to ``paged_decode`` as q rows of one token each, row ``j``
+  reading ``seq_len - q + 1 + j`` keys, which is the causal mask; the split-KV kernel fills the
+  GPU where ``paged_prefill``'s one program per (sequence, head) cannot (SGLang verifies the same
+  way). :data:`VERIFY_AS_DECODE_MAX_ROWS` says up to how many rows.
 
 A learner's own backend plugs in by name (:func:`register_attention_backend`) or as the
 function itself: ``LLM(attention_backend=my_fn)``. Decode steps replay CUDA graphs only through
@@ -92,6 +97,10 @@ def _batch_plan(block_tables, seq_lens, query_lens, block_size, num_tokens, max_
     return _last_plan[1]
 
 
+#: A uniform step of batch x q query rows up to this many verifies through paged_decode (see above).
+VERIFY_AS_DECODE_MAX_ROWS = 64
+
+
 def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, phase="mixed",
                    max_seq_len=None, max_query_len=None, cu_query_lens=None, num_splits=None, k_new=None,
                    v_new=None):
@@ -101,6 +110,11 @@ def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_s
     if phase == "decode":
         return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits, sm_scale,
                             max_seq_len=max_seq_len, validate=False)
+    if phase == "uniform" and max_query_len and q.shape[0] <= VERIFY_AS_DECODE_MAX_ROWS:
+        rows = torch.arange(1 - max_query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
+        return paged_decode(q, k_cache, v_cache, block_tables.repeat_interleave(max_query_len, dim=0),
+                            (seq_lens[:, None] + rows).flatten(), None, sm_scale,
+                            max_seq_len=max_seq_len or int(seq_lens.max()), validate=False)
     return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, k_new=k_new,
                          v_new=v_new, max_query_len=max_query_len, cu_query_lens=cu_query_lens, validate=False)
 
