@@ -18,7 +18,6 @@ chapter compares against.
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -37,6 +36,7 @@ from kvlab.kernel_plan import (  # noqa: F401
     PROGRAM_START_TOKENS,
     PROGRAMS_PER_SM,
     choose_num_splits,
+    num_sms,
 )
 from kvlab.kernels.attention_checks import check_paged_decode_args  # noqa: F401  (re-exported)
 from kvlab.kernels.checks import grid_length  # noqa: F401  (re-exported)
@@ -147,11 +147,6 @@ def merge_splits_kernel(
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-
-
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, sm_scale=None, *,
                  max_seq_len: int | None = None, block_n: int | None = None, validate: bool = True,
                  out: torch.Tensor | None = None, num_warps: int | None = None,
@@ -191,7 +186,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = longest if longest is not None else grid_length(seq_lens, None, "max_seq_len", False)
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, _num_sms(q.device), block_n=block_n)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n=block_n)
     if q.is_cuda:
         num_warps, num_stages = num_warps or 8, num_stages or 3
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)

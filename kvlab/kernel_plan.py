@@ -17,6 +17,7 @@ without compiling or interpreting a kernel.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import numbers
 from dataclasses import dataclass
@@ -24,6 +25,15 @@ from typing import Sequence
 
 from kvlab import profile
 from kvlab.validation import check_count
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (4 elsewhere: the interpreter's stand-in)."""
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def check_int(name: str, value, minimum: int = 0) -> int:

@@ -38,7 +38,7 @@ from kvlab import profile
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.detokenizer import detokenize
 from kvlab.engine.model_runner import ModelRunner, block_bytes
-from kvlab.engine.rejection_sampler import greedy_verify, rejection_sample
+from kvlab.engine.rejection_sampler import greedy_accept, rejection_sample
 from kvlab.engine.sampler import GREEDY_TEMPERATURE, sample, sampling_probs
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
@@ -328,26 +328,34 @@ class LLM:
     def _verify(self, out, logits, items, draft_probs) -> list[tuple[list[int], list[float]]]:
         """Rejection sampling for the sequences that verify drafts: ``(tokens, logprobs)`` each."""
         results = {}
-        starts = list(itertools.accumulate([s.num_logits + len(s.forks) for s in out.scheduled], initial=0))
+        starts = itertools.accumulate([s.num_logits + len(s.forks) for s in out.scheduled], initial=0)
         start_of = {id(s): r for s, r in zip(out.scheduled, starts)}
         for k in sorted({len(s.spec_token_ids) for s in items}):      # one group unless near max_model_len
             group = [s for s in items if len(s.spec_token_ids) == k]
-            index = torch.tensor([start_of[id(s)] + j for s in group for j in range(k + 1)], device=logits.device)
-            scores = logits[index].view(len(group), k + 1, -1)
-            drafts = torch.tensor([s.spec_token_ids for s in group], device=logits.device)
+            if len(group) * (k + 1) == len(logits):                     # the whole step: no gather
+                scores = logits.view(len(group), k + 1, -1)
+            else:
+                index = [start_of[id(s)] + j for s in group for j in range(k + 1)]
+                scores = logits[torch.tensor(index, device=logits.device)].view(len(group), k + 1, -1)
             params = [s.seq.params for s in group]
             if self.rejection_sampler is rejection_sample and all(p.temperature < GREEDY_TEMPERATURE for p in params):
-                emitted = greedy_verify(drafts, scores.argmax(dim=-1))   # the same result, no randomness
-            else:
-                rep = lambda values: [v for v in values for _ in range(k + 1)]  # noqa: E731
-                target = sampling_probs(scores.flatten(0, 1), rep([p.temperature for p in params]),
-                                        rep([p.top_k for p in params]), rep([p.top_p for p in params]))
-                q = None if draft_probs is None else draft_probs[[self._draft_row[id(s)] for s in group], :k]
-                emitted = self.rejection_sampler(drafts, q, target.view(len(group), k + 1, -1),
-                                                 [s.seq.generator for s in group])
+                # greedy: the same result as rejection sampling, decided on the host from the
+                # target's choices (one copy from the device, no random numbers)
+                best = scores.max(dim=-1)
+                choices, lps = torch.stack((best.indices.double(), best.values - scores.logsumexp(dim=-1))).tolist()
+                for s, choice, lp in zip(group, choices, lps):
+                    tokens = greedy_accept(s.spec_token_ids, choice)
+                    results[id(s)] = (tokens, lp[:len(tokens)])
+                continue
+            rep = lambda values: [v for v in values for _ in range(k + 1)]  # noqa: E731
+            target = sampling_probs(scores.flatten(0, 1), rep([p.temperature for p in params]),
+                                    rep([p.top_k for p in params]), rep([p.top_p for p in params]))
+            q = None if draft_probs is None else draft_probs[[self._draft_row[id(s)] for s in group], :k]
+            drafts = torch.tensor([s.spec_token_ids for s in group], device=logits.device)
+            emitted = self.rejection_sampler(drafts, q, target.view(len(group), k + 1, -1),
+                                             [s.seq.generator for s in group])
             lps = scores.log_softmax(dim=-1).gather(2, emitted.clamp(min=0)[..., None]).squeeze(2)
-            rows = torch.stack((emitted.double(), lps.double())).tolist()
-            for s, t_row, lp_row in zip(group, *rows):
+            for s, t_row, lp_row in zip(group, *torch.stack((emitted.double(), lps.double())).tolist()):
                 n = sum(t >= 0 for t in t_row)
                 results[id(s)] = ([int(t) for t in t_row[:n]], lp_row[:n])
         return [results[id(s)] for s in items]
@@ -371,11 +379,13 @@ class LLM:
 
     def _after_verification(self, out, tokens) -> None:
         """Roll the draft's cache back to what was kept; count drafts proposed and kept."""
+        if self.proposer is None:
+            return
+        emitted = {id(seq): t for seq, t in zip(out.sample_seqs, tokens)}
         for item in out.scheduled:
             if item.spec_token_ids:
                 self.proposer.rollback(item.seq)
-                emitted = len(tokens[out.sample_seqs.index(item.seq)])
-                self.spec_decode_stats.record(item.spec_token_ids, emitted - 1)
+                self.spec_decode_stats.record(item.spec_token_ids, len(emitted[id(item.seq)]) - 1)
 
     def _forget_drafts(self, seqs) -> None:
         if self.proposer is not None:

@@ -63,14 +63,14 @@ def rejection_sample(draft_token_ids: torch.Tensor, draft_probs: torch.Tensor | 
     return _emit(drafts, num_accepted, _draw(last, generator))
 
 
-def greedy_verify(draft_token_ids: torch.Tensor, target_token_ids: torch.Tensor) -> torch.Tensor:
-    """:func:`rejection_sample` when every target distribution is one-hot (greedy decoding):
-    keep drafts while they equal the target's choice ``target_token_ids`` [B, k + 1], then
-    emit the target's token. The same result without probabilities or random numbers."""
-    drafts = draft_token_ids.long()
-    k = drafts.shape[1]
-    num_accepted = (drafts == target_token_ids[:, :k]).int().cumprod(dim=1).sum(dim=1)
-    return _emit(drafts, num_accepted, target_token_ids.gather(1, num_accepted[:, None].long()).squeeze(1))
+def greedy_accept(draft_token_ids: list[int], target_token_ids: list[int]) -> list[int]:
+    """:func:`rejection_sample` of one row when every target distribution is one-hot (greedy
+    decoding), on the host: keep drafts while they equal the target's choice, then emit the
+    target's token. ``target_token_ids`` has one more entry than the drafts."""
+    accepted = 0
+    while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_token_ids[accepted]:
+        accepted += 1
+    return [int(t) for t in target_token_ids[:accepted + 1]]
 
 
 def _emit(drafts, num_accepted, extra) -> torch.Tensor:

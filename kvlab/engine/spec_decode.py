@@ -82,15 +82,19 @@ def propose_ngram(token_ids, num_speculative_tokens: int, prompt_lookup_min: int
     followed the most recent earlier occurrence of its last n tokens, trying the longest n in
     ``prompt_lookup_max .. prompt_lookup_min`` first; [] if no suffix occurs earlier."""
     tokens = np.asarray(token_ids, dtype=np.int64)
-    length = len(tokens)
-    for n in range(min(prompt_lookup_max, length - 1), prompt_lookup_min - 1, -1):
-        # windows starting at 0 .. length - n - 1: each is followed by at least one token
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-        hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start:start + num_speculative_tokens].tolist()
-    return []
+    last = len(tokens) - 1
+    ends = np.flatnonzero(tokens[:-1] == tokens[-1])      # earlier copies of the last token
+    matched = np.ones(len(ends), dtype=np.int64)          # how far each copy's match reaches back
+    alive = np.ones(len(ends), dtype=bool)
+    for m in range(1, min(prompt_lookup_max, last)):   # a copy ends at last - 1 at most
+        alive &= ends >= m
+        alive[alive] = tokens[ends[alive] - m] == tokens[last - m]
+        matched += alive
+    n = min(int(matched.max(initial=0)), prompt_lookup_max)
+    if n < prompt_lookup_min:
+        return []
+    start = int(ends[matched >= n][-1]) + 1                # the most recent of the longest
+    return tokens[start:start + num_speculative_tokens].tolist()
 
 
 class NgramProposer:
@@ -124,6 +128,7 @@ class DraftModelProposer:
     def __init__(self, config: SpeculativeConfig, runner):
         self.k = config.num_speculative_tokens
         self.runner = runner
+        runner.capture_uniform_graphs(2)     # the first draft forward of a step feeds two tokens
         self.pool = BlockPool(runner.num_blocks, runner.block_size)
         self.fed: dict[int, tuple[int, list[int]]] = {}   # seq_id -> (its length then, drafts fed back)
 
@@ -131,20 +136,29 @@ class DraftModelProposer:
     def propose(self, seqs, room: list[int]):
         """``(drafts, q)``: k drafts for each sequence that has room for k (others get []), and
         ``q`` [len(seqs), k, vocab], the distributions they were drawn from (zeros for rows
-        without drafts)."""
+        without drafts), or None when every draft is greedy (one-hot)."""
         starts = {i: self._book(seqs[i]) for i, r in enumerate(room) if r >= self.k}
         rows = [i for i, start in starts.items() if start is not None]
-        q = torch.zeros(len(seqs), self.k, self.runner.config.vocab_size, device=self.runner.device)
         drafts: list[list[int]] = [[] for _ in seqs]
         if not rows:
-            return drafts, q
+            return drafts, None
         chosen = [seqs[i] for i in rows]
-        at = [starts[i] for i in rows]
-        new = [s.token_ids[start:] for s, start in zip(chosen, at)]   # what the draft has not seen
+        greedy = all(s.params.temperature < GREEDY_TEMPERATURE for s in chosen)
+        q = None if greedy else torch.zeros(len(seqs), self.k, self.runner.config.vocab_size,
+                                            device=self.runner.device)
+        # Feed what the draft has not seen, and at least the last two tokens: after a step the
+        # draft lacks one or two of them, so every sequence it knows feeds two (one uniform
+        # step, a CUDA graph on a GPU); rewriting a slot it had writes the same K/V.
+        at = [min(starts[i], max(0, seqs[i].num_tokens - 2)) for i in rows]
+        new = [s.token_ids[start:] for s, start in zip(chosen, at)]
         for j in range(self.k):
-            probs = self._probs(self._forward(chosen, at, new), chosen)
-            tokens = self._draw(probs, chosen)
-            q[rows, j] = probs
+            logits = self._forward(chosen, at, new)
+            if greedy:                   # a greedy draft is deterministic: its q is one-hot
+                tokens = logits.argmax(dim=-1).tolist()
+            else:
+                probs = self._probs(logits, chosen)
+                tokens = self._draw(probs, chosen)
+                q[rows, j] = probs
             for i, t in zip(rows, tokens):
                 drafts[i].append(t)
             at = [start + len(n) for start, n in zip(at, new)]

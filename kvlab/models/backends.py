@@ -13,11 +13,10 @@ the course:
 * ``"triton"``: the course's kernels. A **decode** step (one query per sequence) goes to
   :func:`~kvlab.kernels.paged_decode` (FlashDecoding, chapter 6); every other step (prompts,
   chunks, speculative verification) to :func:`~kvlab.kernels.paged_prefill` (chapter 5), except
-  a small **uniform** step (speculative verification of q = k + 1 tokens for a few sequences):
-  its q queries per sequence go to ``paged_decode`` as q rows of one token each, row ``j``
-  reading ``seq_len - q + 1 + j`` keys, which is the causal mask; the split-KV kernel fills the
-  GPU where ``paged_prefill``'s one program per (sequence, head) cannot (SGLang verifies the same
-  way). :data:`VERIFY_AS_DECODE_MAX_ROWS` says up to how many rows.
+  some **uniform** steps (speculative verification of q = k + 1 tokens per sequence): their q
+  queries per sequence go to ``paged_decode`` as q rows of one token each, row ``j`` reading
+  ``seq_len - q + 1 + j`` keys, which is the causal mask (SGLang verifies the same way). See
+  :func:`verify_with_paged_decode` for when.
 
 A learner's own backend plugs in by name (:func:`register_attention_backend`) or as the
 function itself: ``LLM(attention_backend=my_fn)``. Decode steps replay CUDA graphs only through
@@ -35,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from kvlab.kernel_plan import num_sms
 from kvlab.reference import paged_attention_ref
 
 # What a backend can receive beyond the seven positional arguments, each only if its signature
@@ -97,8 +97,21 @@ def _batch_plan(block_tables, seq_lens, query_lens, block_size, num_tokens, max_
     return _last_plan[1]
 
 
-#: A uniform step of batch x q query rows up to this many verifies through paged_decode (see above).
-VERIFY_AS_DECODE_MAX_ROWS = 64
+#: Verify through paged_decode where :func:`verify_with_paged_decode` says so (False: never).
+SPLIT_KV_VERIFY = True
+
+
+def verify_with_paged_decode(batch: int, query_len: int, num_heads: int, num_kv_heads: int, num_sms: int) -> bool:
+    """Whether a uniform step runs faster as ``batch * query_len`` decode rows.
+
+    ``paged_prefill`` runs one program per (sequence, query head): with few sequences that is
+    fewer programs than the GPU has SMs, where the split-KV decode kernel fills them all. It
+    also reads a sequence's K/V once per query head of a GQA group, the decode rows once per
+    query token: with fewer query tokens than group heads, the rows read less. (H200, 8B-shaped
+    model, group 4: verification of 6 tokens at batch 1 costs 1.10x a decode step this way,
+    1.26x through paged_prefill; at batch 8 the rows lose from q = 5 on; benchmarks/RESULTS.md.)
+    """
+    return SPLIT_KV_VERIFY and (batch * num_heads < num_sms or query_len < num_heads // num_kv_heads)
 
 
 def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, phase="mixed",
@@ -110,7 +123,9 @@ def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_s
     if phase == "decode":
         return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits, sm_scale,
                             max_seq_len=max_seq_len, validate=False)
-    if phase == "uniform" and max_query_len and q.shape[0] <= VERIFY_AS_DECODE_MAX_ROWS:
+    batch, num_heads = seq_lens.shape[0], q.shape[1]
+    if phase == "uniform" and max_query_len and verify_with_paged_decode(
+            batch, max_query_len, num_heads, k_cache.shape[2], num_sms(q.device)):
         rows = torch.arange(1 - max_query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
         return paged_decode(q, k_cache, v_cache, block_tables.repeat_interleave(max_query_len, dim=0),
                             (seq_lens[:, None] + rows).flatten(), None, sm_scale,
