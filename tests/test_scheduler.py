@@ -38,8 +38,10 @@ def check_step(scheduler: Scheduler, out) -> None:
     assert len(scheduler.running) <= scheduler.max_num_seqs
     assert sum(1 + len(s.forks) for s in out.scheduled) <= scheduler.max_num_seqs
     for item in out.scheduled:
-        # the pool holds exactly the tokens the step computes, and no more
-        assert pool.seq_len(item.seq.seq_id) == item.start + item.num_new == item.seq.num_tokens
+        # the pool holds exactly the tokens computed so far and this step's, and no more
+        assert pool.seq_len(item.seq.seq_id) == item.start + item.num_new <= item.seq.num_tokens
+        assert item.start == item.seq.num_computed_tokens
+        assert item.samples == (item.start + item.num_new == item.seq.num_tokens)   # a prompt's last chunk samples
         assert item.num_new == 1 or item.is_prefill
     assert pool.num_free_blocks + pool.num_used_blocks == pool.num_blocks
     held = {}
@@ -77,7 +79,7 @@ def test_budgets_hold_every_step():
 
 def test_admission_is_first_come_first_served():
     pool = BlockPool(num_blocks=64, block_size=4)
-    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=16)
+    sched = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=16, enable_chunked_prefill=False)
     reqs = Requests(sched)
     first = [reqs.add(4, 3), reqs.add(12, 3)]      # 16 tokens: both fit the first step
     big = reqs.add(15, 3)                          # 15 > what is left of the budget
@@ -139,13 +141,18 @@ def test_a_sequence_that_can_never_fit_fails_alone():
     assert pool.num_free_blocks == pool.num_blocks
 
 
-def test_too_many_tokens_for_one_step_fails_with_a_clear_error():
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_prompt_longer_than_the_budget_runs_only_in_chunks(chunked):
     pool = BlockPool(num_blocks=64, block_size=4)
-    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=8)
+    sched = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=8, enable_chunked_prefill=chunked)
     reqs = Requests(sched)
-    long, short = reqs.add(9, 2), reqs.add(8, 2)
-    drive(sched)
-    assert long.finish_reason == "error" and "max_num_batched_tokens" in long.error
+    long, short = reqs.add(19, 2), reqs.add(8, 2)
+    chunks = []
+    drive(sched, on_step=lambda o: chunks.extend((s.start, s.num_new) for s in o.scheduled if s.seq is long))
+    if chunked:
+        assert long.finish_reason == "length" and chunks[:3] == [(0, 8), (8, 8), (16, 3)]
+    else:
+        assert long.finish_reason == "error" and "max_num_batched_tokens" in long.error and not chunks
     assert short.finish_reason == "length"
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=4)
@@ -180,16 +187,18 @@ def workloads(draw):
     largest = max(p + m for p, m, _, _ in requests)
     least = -(-largest // block_size)          # the longest sequence fits alone
     num_blocks = draw(st.integers(least, 2 * least + 1))
-    budget = draw(st.integers(max(largest, max_num_seqs), 64))     # a preempted sequence is recomputed in one step
-    return block_size, max_num_seqs, requests, num_blocks, budget, draw(st.booleans())
+    chunked = draw(st.booleans())
+    # without chunks, a preempted sequence is recomputed in one step: the budget must hold it
+    budget = draw(st.integers(max_num_seqs if chunked else max(largest, max_num_seqs), 64))
+    return block_size, max_num_seqs, requests, num_blocks, budget, draw(st.booleans()), chunked
 
 
 @given(workloads())
 @settings(max_examples=120, deadline=None)
 def test_every_request_finishes_and_the_pool_ends_empty(workload):
-    block_size, max_num_seqs, requests, num_blocks, budget, caching = workload
+    block_size, max_num_seqs, requests, num_blocks, budget, caching, chunked = workload
     pool = BlockPool(num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=caching)
-    sched = Scheduler(pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    sched = Scheduler(pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
     reqs = Requests(sched)
     shared = [7] * 10
     for prompt_len, max_tokens, n, share in requests:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kvlab.engine.scheduler import check_scheduling
 from kvlab.engine.spec_decode import SpeculativeConfig
 from kvlab.validation import check_bool, check_count, check_fraction
 
@@ -32,6 +33,12 @@ class EngineConfig:
     SamplingParams give none. ``speculative_config``: None, or a dict of vLLM's keys
     (:class:`~kvlab.engine.spec_decode.SpeculativeConfig`): ``{"method": "ngram",
     "num_speculative_tokens": k, ...}`` or ``{"method": "draft_model", "model": path, ...}``.
+    ``enable_chunked_prefill`` (on, as in vLLM v1): prompts longer than what is left of a step's
+    budget are computed in chunks; ``long_prefill_token_threshold`` caps one prompt's chunk (0:
+    no cap); ``max_num_partial_prefills``: prompts part-way through at once.
+    ``scheduling_policy``: ``"fcfs"``, or ``"static"`` (a batch runs to completion before the
+    next is admitted: chapter 8's baseline). ``prefill_priority_after``: seconds after which a
+    waiting prompt's chunks go before the decodes (None: never). See :mod:`kvlab.engine.scheduler`.
     """
 
     block_size: int = 16
@@ -47,6 +54,11 @@ class EngineConfig:
     device: object = None
     seed: int | None = 0
     speculative_config: object = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    scheduling_policy: str = "fcfs"
+    prefill_priority_after: float | None = None
 
     def __post_init__(self):
         check_count("block_size", self.block_size, minimum=1)
@@ -59,6 +71,8 @@ class EngineConfig:
         check_fraction("gpu_memory_utilization", self.gpu_memory_utilization)
         if self.seed is not None:
             check_count("seed", self.seed)
+        check_scheduling(self.enable_chunked_prefill, self.long_prefill_token_threshold,
+                         self.max_num_partial_prefills, self.scheduling_policy, self.prefill_priority_after)
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 

@@ -166,7 +166,12 @@ class LLM:
         self.pool = pool
         k = c.speculative_config.num_speculative_tokens if c.speculative_config else 0
         self.scheduler = Scheduler(pool, c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len,
-                                   self.config.eos_token_ids, num_lookahead_tokens=k)
+                                   self.config.eos_token_ids, num_lookahead_tokens=k,
+                                   enable_chunked_prefill=c.enable_chunked_prefill,
+                                   long_prefill_token_threshold=c.long_prefill_token_threshold,
+                                   max_num_partial_prefills=c.max_num_partial_prefills,
+                                   scheduling_policy=c.scheduling_policy,
+                                   prefill_priority_after=c.prefill_priority_after)
 
     def _load_draft(self, spec, config: EngineConfig, device):
         """The draft model of ``speculative_config``, checked against the target."""
@@ -308,7 +313,7 @@ class LLM:
         where = {id(seq): i for i, seq in enumerate(samples)}
         for item in out.scheduled:
             n = item.num_logits + len(item.forks)
-            if not item.spec_token_ids:
+            if n and not item.spec_token_ids:
                 plain += [where[id(s)] for s in (item.seq, *item.forks)]
                 plain_rows += range(row, row + n)
             row += n
@@ -364,7 +369,7 @@ class LLM:
         """Drafts for every decoding sequence of the step, booked in the pool (padded with -1 up
         to k, so that the step stays uniform: k + 1 tokens per sequence, a CUDA graph on a GPU).
         Returns the draft model's probabilities (None for n-gram drafts)."""
-        items = [s for s in out.scheduled if not s.is_prefill and s.num_new == 1]
+        items = [s for s in out.scheduled if not s.is_prefill]
         if not items:
             return None
         k = self.engine_config.speculative_config.num_speculative_tokens
@@ -441,9 +446,9 @@ class LLM:
         if blocks_needed(n, bs) > self.pool.num_blocks:
             raise ValueError(f"the prompt has {n} tokens, {blocks_needed(n, bs)} blocks of {bs}, but the whole "
                              f"KV cache has {self.pool.num_blocks} blocks")
-        if n > self.scheduler.max_num_batched_tokens:
+        if n > self.scheduler.max_num_batched_tokens and not self.scheduler.enable_chunked_prefill:
             raise ValueError(f"the prompt has {n} tokens, more than max_num_batched_tokens="
-                             f"{self.scheduler.max_num_batched_tokens} (prompts are not split into chunks)")
+                             f"{self.scheduler.max_num_batched_tokens}, and enable_chunked_prefill=False")
         if params.n > self.scheduler.max_num_seqs:
             raise ValueError(f"n={params.n} samples exceed max_num_seqs={self.scheduler.max_num_seqs}")
 

@@ -1,22 +1,32 @@
-"""Scheduler: continuous batching over the paged KV cache.
+"""Scheduler: continuous batching with chunked prefill over the paged KV cache.
 
-Every step it decides which sequences run and how many of their tokens the model computes:
+Every step fills a token budget, ``max_num_batched_tokens``, in vLLM v1's order:
 
-1. **Running sequences decode.** Each needs a slot for one more token. If the pool has no
-   block for it, the most recently admitted running sequence is *preempted*: its blocks go
-   back to the pool and it returns to the front of the waiting queue, keeping its generated
-   tokens, to be recomputed later as prompt + output ("recompute" preemption). A sequence
-   that cannot grow even when it is the only one left can never fit: it finishes with an
-   error instead.
+1. **Running sequences**, oldest first. A decoding one needs one token (plus ``k`` drafts with
+   speculative decoding: ``1 + k`` count against the budget); one still computing its prompt
+   takes its next **chunk**: as many of its remaining prompt tokens as the budget (and
+   ``long_prefill_token_threshold``) allow. If the pool has no block for it, the most recently
+   admitted running sequence is *preempted*: its blocks go back to the pool and it returns to
+   the front of the waiting queue, keeping its generated tokens, to be recomputed later as
+   prompt + output ("recompute" preemption, chunked like any prompt). A sequence that cannot
+   grow even when it is the only one left can never fit: it finishes with an error.
 2. **Waiting sequences are admitted**, first come first served, while ``max_num_seqs``, the
-   token budget ``max_num_batched_tokens`` and the pool's free blocks allow (but not in a
-   step that had to preempt: memory is short). An admitted sequence computes its whole prompt
-   at once (no chunking yet), less the tokens the prefix cache already holds.
+   budget and the pool's free blocks allow (but not in a step that had to preempt: memory is
+   short). Its prefix-cache hit is looked up on the whole prompt first; then it computes its
+   first chunk. At most ``max_num_partial_prefills`` prompts are part-way through at once.
 
-A prefill and decodes share one step, packed together (as in vLLM's current engine).
-:meth:`Scheduler.update` then appends each sampled token, forks the extra samples of a
-request (``n > 1``) off its first sample once the prompt is computed, so they share its
-blocks (:meth:`BlockPool.fork`), and retires finished sequences, freeing their blocks.
+With ``enable_chunked_prefill=False`` a prompt is computed whole in one step, so a prompt
+longer than the budget can never run. Prompts and decodes share one step, packed together.
+
+Two policies for chapter 8's comparisons: ``scheduling_policy="static"`` admits new requests
+only while the running batch has not started decoding (a batch runs to completion before the
+next is formed), and ``prefill_priority_after`` (seconds; the seed article's fairness rule)
+schedules the chunks of prompts that have waited longer than that *before* the decodes.
+
+:meth:`Scheduler.update` then appends each sampled token (only sequences whose step reached
+their last token get one: a prompt's earlier chunks sample nothing), forks the extra samples of
+a request (``n > 1``) off its first sample once the prompt is computed, so they share its blocks
+(:meth:`BlockPool.fork`), and retires finished sequences, freeing their blocks.
 
 The scheduler only books blocks. What the model runner needs from the pool travels in the
 :class:`SchedulerOutput`: each scheduled sequence's block table, and the copy-on-write pairs
@@ -25,12 +35,14 @@ copied before the forward pass. The runner never sees the pool.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from kvlab.errors import OutOfBlocksError
 from kvlab.engine.sequence import Sequence, SequenceStatus
-from kvlab.paging.block_pool import BlockPool, blocks_needed, check_count, slot_mapping
+from kvlab.paging.block_pool import BlockPool, blocks_needed, slot_mapping
+from kvlab.validation import check_bool, check_count
 
 
 @dataclass
@@ -40,10 +52,16 @@ class ScheduledSequence:
     seq: Sequence
     start: int
     num_new: int
-    is_prefill: bool = False   # admitted this step (a prompt, or prompt + output after preemption)
+    is_prefill: bool = False   # computes prompt tokens (a whole prompt or a chunk; prompt + output after preemption)
     forks: list[Sequence] = field(default_factory=list)  # samples to fork off it after this step
     block_table: list[int] = field(default_factory=list)  # its blocks once the step is booked
     spec_token_ids: list[int] = field(default_factory=list)  # drafts it verifies (-1: padding)
+    # whether the step reaches the sequence's last token, so it samples the next one (a prompt's
+    # earlier chunks do not); fixed when the step is planned
+    samples: bool = field(init=False)
+
+    def __post_init__(self):
+        self.samples = self.start + self.num_new == self.seq.num_tokens
 
     @property
     def seq_len(self) -> int:
@@ -52,14 +70,15 @@ class ScheduledSequence:
 
     @property
     def token_ids(self) -> list[int]:
-        """The tokens this step computes: the sequence's uncomputed ones, then its drafts
-        (padding drafts as token 0: their results are never kept)."""
-        return self.seq.token_ids[self.start:] + [max(t, 0) for t in self.spec_token_ids]
+        """The tokens this step computes: its chunk of the sequence's uncomputed ones, then its
+        drafts (padding drafts as token 0: their results are never kept)."""
+        end = self.seq_len - len(self.spec_token_ids)
+        return self.seq.token_ids[self.start:end] + [max(t, 0) for t in self.spec_token_ids]
 
     @property
     def num_logits(self) -> int:
-        """Logit rows it needs: one, or one per draft plus the bonus position."""
-        return 1 + len(self.spec_token_ids)
+        """Logit rows it needs: none (an early chunk), one, or one per draft plus the bonus."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
 
 
 @dataclass
@@ -89,24 +108,45 @@ class SchedulerOutput:
     @property
     def sample_seqs(self) -> list[Sequence]:
         """The sequences that get a token this step, in the order the sampler fills them:
-        each scheduled sequence, followed by the samples forked off it."""
-        return [seq for s in self.scheduled for seq in (s.seq, *s.forks)]
+        each scheduled sequence that samples, followed by the samples forked off it."""
+        return [seq for s in self.scheduled if s.samples for seq in (s.seq, *s.forks)]
 
     @property
     def is_empty(self) -> bool:
         return not (self.scheduled or self.preempted or self.finished)
 
 
+SCHEDULING_POLICIES = ("fcfs", "static")
+
+
+def check_scheduling(enable_chunked_prefill, long_prefill_token_threshold, max_num_partial_prefills,
+                     scheduling_policy, prefill_priority_after) -> None:
+    """Refuse bad scheduler settings, naming the setting and the rule."""
+    check_bool("enable_chunked_prefill", enable_chunked_prefill)
+    check_count("long_prefill_token_threshold", long_prefill_token_threshold)
+    check_count("max_num_partial_prefills", max_num_partial_prefills, minimum=1)
+    if scheduling_policy not in SCHEDULING_POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {scheduling_policy!r}")
+    if prefill_priority_after is not None and (isinstance(prefill_priority_after, bool) or not isinstance(
+            prefill_priority_after, (int, float)) or prefill_priority_after < 0):
+        raise ValueError(f"prefill_priority_after must be None or seconds >= 0, got {prefill_priority_after!r}")
+
+
 class Scheduler:
     """FCFS continuous batching with recompute preemption, on a :class:`BlockPool`."""
 
     def __init__(self, pool: BlockPool, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, eos_token_ids=(), num_lookahead_tokens: int = 0):
+                 max_model_len: int | None = None, eos_token_ids=(), num_lookahead_tokens: int = 0, *,
+                 enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
+                 max_num_partial_prefills: int = 1, scheduling_policy: str = "fcfs",
+                 prefill_priority_after: float | None = None, clock=time.monotonic):
         check_count("max_num_seqs", max_num_seqs, minimum=1)
         check_count("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
                              f"({max_num_seqs}): every running sequence decodes one token per step")
+        check_scheduling(enable_chunked_prefill, long_prefill_token_threshold, max_num_partial_prefills,
+                         scheduling_policy, prefill_priority_after)
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -115,6 +155,12 @@ class Scheduler:
         # speculative decoding: every running sequence may verify this many drafts per step,
         # so each counts 1 + num_lookahead_tokens tokens against the step's budget
         self.num_lookahead_tokens = check_count("num_lookahead_tokens", num_lookahead_tokens)
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold     # 0: no cap
+        self.max_num_partial_prefills = max_num_partial_prefills
+        self.scheduling_policy = scheduling_policy
+        self.prefill_priority_after = prefill_priority_after
+        self.clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order, oldest first
         # counters, for tests and notebooks
@@ -128,6 +174,8 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (its ``forks`` join the batch after its prompt is computed)."""
         seq.status = SequenceStatus.WAITING
+        if seq.arrival_time is None:
+            seq.arrival_time = self.clock()
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -139,7 +187,11 @@ class Scheduler:
         if self._unrecorded is not None:
             raise RuntimeError("the previous step has not been recorded: call update() with its tokens first")
         out = SchedulerOutput(block_size=self.pool.block_size)
-        budget = self._schedule_running(out)
+        budget = self.max_num_batched_tokens
+        if self._overdue():          # the fairness rule: overdue prompts before the decodes
+            budget = self._schedule_running(out, budget, prefills_only=True)
+            budget = self._schedule_waiting(out, budget, overdue_only=True)
+        budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.pool.take_copies()
@@ -151,29 +203,51 @@ class Scheduler:
         self._unrecorded = out if out.scheduled else None
         return out
 
-    def _schedule_running(self, out: SchedulerOutput) -> int:
-        """Book one slot for every running sequence, preempting the youngest when blocks run out;
-        returns the token budget left."""
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens of a prompt with ``remaining`` to compute that this step takes (0: none)."""
+        if not self.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        cap = self.long_prefill_token_threshold or remaining
+        return max(0, min(remaining, cap, budget))
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefills_only: bool = False) -> int:
+        """Book the next tokens of every running sequence not yet in ``out`` (a decode's one,
+        a prompt's next chunk), preempting the youngest when blocks run out; returns the
+        budget left. A sequence the budget has no room for waits for the next step."""
+        done = {id(item.seq) for item in out.scheduled}
         queue, kept = deque(self.running), []
         while queue:
             seq = queue.popleft()
-            if not self._make_room(seq, queue, kept, out):
+            decoding = seq.num_computed_tokens == seq.num_tokens - 1
+            num_new = 1 if decoding else self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            if id(seq) in done or (prefills_only and (decoding or not self._is_overdue(seq))) \
+                    or num_new == 0 or budget < num_new:
+                kept.append(seq)           # not this step
                 continue
-            self.pool.append(seq.seq_id, 1, [seq.last_token_id], cache=False)
+            if not self._make_room(seq, num_new, queue, kept, out):
+                continue
+            start = seq.num_computed_tokens
+            self.pool.append(seq.seq_id, num_new, seq.token_ids[start:start + num_new], cache=False)
             kept.append(seq)
-            out.scheduled.append(ScheduledSequence(seq, seq.num_computed_tokens, 1))
+            item = ScheduledSequence(seq, start, num_new, is_prefill=not decoding)
+            item.forks = list(seq.forks) if item.samples else []
+            out.scheduled.append(item)
+            budget -= min(1 + self.num_lookahead_tokens, budget) if decoding else num_new
         self.running = kept
-        return self.max_num_batched_tokens - len(kept) * (1 + self.num_lookahead_tokens)
+        return budget
 
-    def _make_room(self, seq: Sequence, queue: deque, kept: list, out: SchedulerOutput) -> bool:
-        """Free blocks until ``seq`` can take one more token; False if ``seq`` itself had to go."""
+    def _make_room(self, seq: Sequence, num_new: int, queue: deque, kept: list, out: SchedulerOutput) -> bool:
+        """Free blocks until ``seq`` can take ``num_new`` more tokens; False if ``seq`` itself had to go."""
         if blocks_needed(seq.num_tokens, self.pool.block_size) > self.pool.num_blocks:
             self._fail(seq, self._too_big(seq), out)
             return False
-        while not self.pool.can_append(seq.seq_id, 1):
-            if queue:                      # the most recently admitted sequence yields
-                self._preempt(queue.pop(), out)
-            elif kept:                     # seq is the most recent one left
+        scheduled = {id(item.seq) for item in out.scheduled}
+        while not self.pool.can_append(seq.seq_id, num_new):
+            younger = [s for s in queue if id(s) not in scheduled]
+            if younger:                    # the most recently admitted sequence yields
+                queue.remove(younger[-1])
+                self._preempt(younger[-1], out)
+            elif kept or queue:            # seq is the youngest that can yield
                 self._preempt(seq, out)
                 return False
             else:                          # alone, and still no room: it can never fit
@@ -181,50 +255,72 @@ class Scheduler:
                 return False
         return True
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, overdue_only: bool = False) -> int:
         """Admit waiting sequences in arrival order while sequences, tokens and blocks allow."""
-        num_seqs = len(self.running)
-        while self.waiting:
+        num_seqs = sum(1 + len(s.forks) for s in self.running)    # forks join once the prompt is done
+        partial = sum(s.num_computed_tokens < s.num_tokens - 1 for s in self.running)
+        if self.scheduling_policy == "static" and any(s.num_computed_tokens >= s.num_prompt_tokens
+                                                      for s in self.running):
+            return budget                  # static batching: the batch is decoding, nobody joins
+        while self.waiting and budget > 0:
             seq = self.waiting[0]
+            if overdue_only and not self._is_overdue(seq):
+                break
             problem = self._never_fits(seq)
             if problem:
                 self.waiting.popleft()
                 self._fail(seq, problem, out)
                 continue
             width = 1 + len(seq.forks)     # its samples all run from the next step on
-            # The budget check counts the whole prompt: the prefix-cache hit is known only
-            # once the blocks are booked, and a booking cannot be taken back (its full blocks'
-            # hashes are registered at once).
-            if num_seqs + width > self.max_num_seqs or seq.num_tokens > budget:
+            if num_seqs + width > self.max_num_seqs:
+                break
+            hits = self.pool.computed_blocks(seq.token_ids, seq.cache_salt)   # on the whole prompt
+            cached = len(hits) * self.pool.block_size
+            num_new = self._chunk(seq.num_tokens - cached, budget)
+            finishes = cached + num_new == seq.num_tokens
+            if num_new == 0 or (not finishes and partial >= self.max_num_partial_prefills):
                 break
             try:
                 # cache=False: its blocks join the prefix cache once their K/V is computed (update)
-                self.pool.allocate(seq.seq_id, seq.num_tokens, seq.token_ids, salt=seq.cache_salt, cache=False)
+                end = cached + num_new
+                self.pool.allocate(seq.seq_id, end, seq.token_ids[:end], salt=seq.cache_salt, cache=False)
             except OutOfBlocksError:
                 break
             self.waiting.popleft()
-            budget -= self._admit(seq, out)
+            self._admit(seq, num_new, out)
+            budget -= num_new
             num_seqs += width
+            partial += not finishes
+        return budget
 
-    def _admit(self, seq: Sequence, out: SchedulerOutput) -> int:
+    def _admit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         cached = self.pool.num_cached_tokens.get(seq.seq_id, 0)
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = cached
         seq.num_computed_tokens = cached
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        out.scheduled.append(ScheduledSequence(seq, cached, seq.num_tokens - cached, is_prefill=True,
-                                               forks=list(seq.forks)))
-        return seq.num_tokens - cached
+        item = ScheduledSequence(seq, cached, num_new, is_prefill=True)
+        item.forks = list(seq.forks) if item.samples else []
+        out.scheduled.append(item)
+
+    def _overdue(self) -> bool:
+        return self.prefill_priority_after is not None and any(
+            self._is_overdue(s) for s in (*self.waiting, *self.running) if s.num_computed_tokens < s.num_tokens - 1)
+
+    def _is_overdue(self, seq: Sequence) -> bool:
+        """The fairness rule: a prompt waiting longer than ``prefill_priority_after`` seconds."""
+        return self.prefill_priority_after is not None and \
+            self.clock() - seq.arrival_time > self.prefill_priority_after
 
     def _never_fits(self, seq: Sequence) -> str | None:
         """Why ``seq`` can never be admitted, or None."""
         if 1 + len(seq.forks) > self.max_num_seqs:
             return f"n={1 + len(seq.forks)} samples exceed max_num_seqs={self.max_num_seqs}"
-        if seq.num_tokens > self.max_num_batched_tokens:
+        if not self.enable_chunked_prefill and seq.num_tokens > self.max_num_batched_tokens:
             return (f"sequence has {seq.num_tokens} tokens to compute in one step, more than "
-                    f"max_num_batched_tokens={self.max_num_batched_tokens} (prompts are not split "
-                    f"into chunks)")
+                    f"max_num_batched_tokens={self.max_num_batched_tokens} (enable_chunked_prefill=False: "
+                    f"prompts are not split into chunks)")
         if blocks_needed(seq.num_tokens, self.pool.block_size) > self.pool.num_blocks:
             return self._too_big(seq)
         return None
@@ -296,13 +392,13 @@ class Scheduler:
         logprobs = [[float(v) for v in x] if isinstance(x, (list, tuple)) else [float(x)] for x in logprobs]
         emitted = dict(zip(map(id, samples), tokens))
         for item in out.scheduled:
-            got = len(emitted[id(item.seq)])
-            if not 1 <= got <= item.num_logits:
+            got = len(emitted.get(id(item.seq), ()))
+            if item.samples and not 1 <= got <= item.num_logits:
                 raise ValueError(f"sequence {item.seq.seq_id} emitted {got} tokens; a step gives it "
                                  f"1..{item.num_logits}")
         self._unrecorded = None
         for item in out.scheduled:
-            self._record_computed(item, len(emitted[id(item.seq)]) - 1)
+            self._record_computed(item, len(emitted.get(id(item.seq), (None,))) - 1)
             self._fork(item)
         finished = []
         for seq, new, lps in zip(samples, tokens, logprobs):
@@ -332,7 +428,7 @@ class Scheduler:
         if out is not self._unrecorded:
             raise ValueError("abandon() takes the output of the latest schedule(), once")
         self._unrecorded = None
-        ended = [seq for item in out.scheduled for seq in (item.seq, *item.forks)]
+        ended = [seq for item in out.scheduled for seq in (item.seq, *item.seq.forks)]
         for item in out.scheduled:
             item.seq.forks = []
         for seq in ended:

@@ -100,6 +100,7 @@ class Sequence:
         self.text_state = TextState()             # its output as text, decoded step by step
         self.cache_salt: str | bytes | None = None  # its tenant (see BlockPool.allocate)
         self.spec_stats = SpecDecodeStats()       # its speculative decoding, if any
+        self.arrival_time: float | None = None    # when the scheduler first queued it (its clock)
 
     # -- tokens ---------------------------------------------------------------------------
     @property
