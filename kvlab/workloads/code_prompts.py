@@ -2,8 +2,8 @@
 
 Chapter 7 times speculative decoding on prompts the models never trained on, the same ones on
 every machine: they are shipped in ``code_prompts.json`` beside this module. Each prompt is
-up to ~1,500 characters of a held-out standard-library file, ending with a ``def`` line, so
-the model's continuation is that function's body.
+up to ~1,500 characters of a held-out standard-library file, ending with a ``def`` line (no
+newline after it), so the model's continuation is that function's body.
 
 ``python -m kvlab.workloads.code_prompts`` rebuilds the file from the corpus
 (:func:`kvlab.train.read_corpus`); it refuses a corpus other than the one the shipped models
@@ -44,7 +44,7 @@ def _window(text: str, end: int, max_chars: int) -> str:
     start = max(0, end - max_chars)
     if start:
         start = text.index("\n", start) + 1      # begin on a whole line
-    return text[start:end] + "\n"
+    return text[start:end]      # no newline: the tokenizer merges it with the next line's indent
 
 
 def main(argv=None) -> None:
