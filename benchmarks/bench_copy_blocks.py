@@ -9,7 +9,6 @@ device-to-device copy rate.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import kvlab  # noqa: E402,F401
-from common import bench, copy_bandwidth, environment, print_table, save  # noqa: E402
+from common import arguments, bench, copy_bandwidth, environment, print_table, save  # noqa: E402
 from kvlab.kernels import copy_blocks  # noqa: E402
 from kvlab.paging import allocate_kv_cache  # noqa: E402
 from kvlab.reference import copy_blocks_ref  # noqa: E402
@@ -27,9 +26,7 @@ LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM = 32, 10240, 16, 8, 128
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = arguments().parse_args()
     env = environment()
     ceiling = copy_bandwidth()
     cache = allocate_kv_cache(LAYERS, NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM, dtype=torch.bfloat16, device="cuda")

@@ -18,7 +18,6 @@ bf16, 32 query / 8 KV heads, head_dim 128, pages of 16 tokens, block tables shuf
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import kvlab  # noqa: E402,F401
-from common import bench, environment, print_table, save  # noqa: E402
+from common import arguments, bench, environment, print_table, save  # noqa: E402
 from kvlab.kernels import copy_blocks, flash_attention, paged_decode, paged_prefill, write_kv  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -129,9 +128,7 @@ def host_us(fn, calls: int = 200) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = arguments().parse_args()
     env = environment()
     rows = []
     for kernel, shape, make in CASES:

@@ -17,7 +17,6 @@ Also: peak memory of naive attention and of the kernel for one sequence of growi
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import kvlab  # noqa: E402,F401
-from common import bench, environment, print_table, save  # noqa: E402
+from common import arguments, bench, environment, print_table, save  # noqa: E402
 from kvlab.kernels import flash_attention, paged_prefill  # noqa: E402
 
 HEADS, BLOCK_SIZE = 32, 16
@@ -159,9 +158,7 @@ def peak_memory(length: int, dim: int = 128) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = arguments().parse_args()
     env = environment()
     rows = []
     for batch, length, dim in TARGETS + [s for s in SWEEP if s not in TARGETS]:

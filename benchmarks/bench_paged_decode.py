@@ -20,7 +20,6 @@ it, and checked against cuDNN's before it is timed.
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import kvlab  # noqa: E402,F401
-from common import bench, copy_bandwidth, environment, print_table, save  # noqa: E402
+from common import arguments, bench, copy_bandwidth, environment, print_table, save  # noqa: E402
 from kvlab.kernels import paged_decode  # noqa: E402
 from kvlab.kernels.paged_decode import choose_num_splits  # noqa: E402
 from kvlab.reference import paged_attention_ref  # noqa: E402
@@ -196,8 +195,7 @@ def chapter_rows() -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
+    parser = arguments()
     parser.add_argument("--sweep", action="store_true", help="time every split count x tile x launch config")
     parser.add_argument("--no-chapter", action="store_true", help="skip chapter 6's table (rows)")
     args = parser.parse_args()

@@ -8,7 +8,6 @@ and written once. Ceiling: the measured device-to-device copy rate.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -17,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import kvlab  # noqa: E402,F401
-from common import bench, bench_host_loop, copy_bandwidth, environment, print_table, save  # noqa: E402
+from common import arguments, bench, bench_host_loop, copy_bandwidth, environment, print_table, save  # noqa: E402
 from kvlab.kernels import write_kv  # noqa: E402
 from kvlab.paging.seed_cache import SeedPagedAttentionCache, append_tokens_one_by_one  # noqa: E402
 from kvlab.reference import write_kv_ref  # noqa: E402
@@ -41,9 +40,7 @@ def seed_loop_seconds(key, value) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None, help="folder for the JSON results")
-    args = parser.parse_args()
+    args = arguments().parse_args()
     env = environment()
     ceiling = copy_bandwidth()
     shape = (NUM_BLOCKS, BLOCK_SIZE, HEADS, DIM)

@@ -1,6 +1,7 @@
 """Shared helpers of the GPU benchmarks: timing, ceilings, tables, JSON."""
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import time
@@ -33,6 +34,13 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
     return 2 * nbytes / bench(lambda: dst.copy_(src))
+
+
+def arguments() -> argparse.ArgumentParser:
+    """The command line every benchmark takes: ``--out``, the folder for the JSON results."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="folder for the JSON results")
+    return parser
 
 
 def environment() -> dict:

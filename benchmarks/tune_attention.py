@@ -13,7 +13,6 @@ benchmark's extends (new tokens onto a cached prefix) against ``flash_attention`
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 from pathlib import Path
@@ -26,10 +25,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import kvlab  # noqa: E402,F401
 from bench_flash_attention import EXTENDS, packed, paged_copy  # noqa: E402
-from common import bench, environment, print_table, save  # noqa: E402
+from common import arguments, bench, environment, print_table, save  # noqa: E402
 from kvlab.kernels import flash_attention, paged_decode, paged_prefill  # noqa: E402
 
 FLASH_SHAPES = [(8, 1024, 128), (2, 4096, 128), (1, 16384, 128), (4, 4096, 64)]
+DECODES = [(32, 32768), (1, 131072), (1, 32768), (1, 1024)]     # (batch, seq_len)
 HEADS = 32
 # (BLOCK_M, BLOCK_N, warps, stages)
 FLASH_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (64, 64, 4, 4)]
@@ -67,114 +67,113 @@ def result_row(base, kernel, config, seconds, flops, peer_seconds, ratio_name):
     return row
 
 
-def tune_flash(parts):
+def each_case(cases, tune_case, *args) -> list[dict]:
+    """The rows of ``tune_case(*case, *args)`` for every case; a case's tensors are freed before the next."""
     rows = []
-    for batch, seq_len, dim in FLASH_SHAPES:
-        q, k, v = (torch.randn(batch, HEADS, seq_len, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        ref = sdpa(q, k, v, SDPBackend.FLASH_ATTENTION)
-        peers = {"sdpa_flash": bench(lambda: sdpa(q, k, v, SDPBackend.FLASH_ATTENTION))}
-        try:
-            peers["sdpa_cudnn"] = bench(lambda: sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION))
-        except RuntimeError as e:
-            print("cudnn:", e)
-        base = dict(batch=batch, seq_len=seq_len, dim=dim,
-                    **{n: round(tflops(batch, seq_len, dim, t), 1) for n, t in peers.items()})
-        print(base, flush=True)
-        cudnn = peers.get("sdpa_cudnn", peers["sdpa_flash"])
-        flops = tflops(batch, seq_len, dim, 1.0) * 1e12
-        kc, vc, tables = paged_copy(k, v)
-        seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
-        qp, kp, vp, ref_p = packed(q), packed(k), packed(v), packed(ref)
-        qlens = seq_lens.clone()
-        cu = torch.nn.functional.pad(torch.cumsum(qlens, 0, dtype=torch.int32), (1, 0))
-        for bm, bn, w, s in FLASH_CONFIGS:
-            cands = {}
-            if "flash" in parts:
-                cands["flash"] = (lambda: flash_attention(q, k, v, validate=False, block_m=bm, block_n=bn,
-                                                          num_warps=w, num_stages=s), ref)
-            if "paged" in parts:
-                cands["paged"] = (lambda: paged_prefill(qp, kc, vc, tables, seq_lens, qlens, validate=False,
-                                                        max_query_len=seq_len, cu_query_lens=cu, block_m=bm, block_n=bn,
+    for case in cases:
+        rows += tune_case(*case, *args)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def tune_flash(batch, seq_len, dim, parts):
+    rows = []
+    q, k, v = (torch.randn(batch, HEADS, seq_len, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    ref = sdpa(q, k, v, SDPBackend.FLASH_ATTENTION)
+    peers = {"sdpa_flash": bench(lambda: sdpa(q, k, v, SDPBackend.FLASH_ATTENTION))}
+    try:
+        peers["sdpa_cudnn"] = bench(lambda: sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION))
+    except RuntimeError as e:
+        print("cudnn:", e)
+    base = dict(batch=batch, seq_len=seq_len, dim=dim,
+                **{n: round(tflops(batch, seq_len, dim, t), 1) for n, t in peers.items()})
+    print(base, flush=True)
+    cudnn = peers.get("sdpa_cudnn", peers["sdpa_flash"])
+    flops = tflops(batch, seq_len, dim, 1.0) * 1e12
+    kc, vc, tables = paged_copy(k, v)
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    qp, kp, vp, ref_p = packed(q), packed(k), packed(v), packed(ref)
+    qlens = seq_lens.clone()
+    cu = torch.nn.functional.pad(torch.cumsum(qlens, 0, dtype=torch.int32), (1, 0))
+    for bm, bn, w, s in FLASH_CONFIGS:
+        cands = {}
+        if "flash" in parts:
+            cands["flash"] = (lambda: flash_attention(q, k, v, validate=False, block_m=bm, block_n=bn,
+                                                      num_warps=w, num_stages=s), ref)
+        if "paged" in parts:
+            cands["paged"] = (lambda: paged_prefill(qp, kc, vc, tables, seq_lens, qlens, validate=False,
+                                                    max_query_len=seq_len, cu_query_lens=cu, block_m=bm, block_n=bn,
+                                                    num_warps=w, num_stages=s), ref_p)
+        if "paged_new" in parts:
+            cands["paged_new"] = (lambda: paged_prefill(qp, kc, vc, tables, seq_lens, qlens, validate=False,
+                                                        k_new=kp, v_new=vp, max_query_len=seq_len,
+                                                        cu_query_lens=cu, block_m=bm, block_n=bn,
                                                         num_warps=w, num_stages=s), ref_p)
-            if "paged_new" in parts:
-                cands["paged_new"] = (lambda: paged_prefill(qp, kc, vc, tables, seq_lens, qlens, validate=False,
-                                                            k_new=kp, v_new=vp, max_query_len=seq_len,
-                                                            cu_query_lens=cu, block_m=bm, block_n=bn,
-                                                            num_warps=w, num_stages=s), ref_p)
-            for name, (fn, r) in cands.items():
-                rows.append(result_row(base, name, (bm, bn, w, s), try_time(fn, r), flops, cudnn, "vs_cudnn"))
-        del q, k, v, kc, vc
-        torch.cuda.empty_cache()
+        for name, (fn, r) in cands.items():
+            rows.append(result_row(base, name, (bm, bn, w, s), try_time(fn, r), flops, cudnn, "vs_cudnn"))
     return rows
 
 
-def tune_extend():
+def tune_extend(batch, prefix, new, dim):
     rows = []
-    for batch, prefix, new, dim in EXTENDS:
-        total = prefix + new
-        q = torch.randn(batch, HEADS, new, dim, device="cuda", dtype=torch.bfloat16)
-        k, v = (torch.randn(batch, HEADS, total, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        flops = 4 * batch * HEADS * dim * (new * prefix + new * (new + 1) / 2)
-        kc, vc, tables = paged_copy(k, v)
-        seq_lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
-        qlens = torch.full((batch,), new, dtype=torch.int32, device="cuda")
-        cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * new
-        ref = packed(flash_attention(q, k, v, validate=False))
-        contiguous = bench(lambda: flash_attention(q, k, v, validate=False))
-        base = dict(batch=batch, prefix=prefix, new=new, dim=dim, flash_default=round(flops / contiguous / 1e12, 1))
-        print(base, flush=True)
-        qp, k_new, v_new = packed(q), packed(k[:, :, prefix:]), packed(v[:, :, prefix:])
-        for bm, bn, w, s in FLASH_CONFIGS:
-            for name, extra in (("paged", {}), ("paged_new", dict(k_new=k_new, v_new=v_new))):
-                fn = (lambda: paged_prefill(qp, kc, vc, tables, seq_lens, qlens, validate=False, max_query_len=new,
-                                            cu_query_lens=cu, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
-                                            **extra))
-                rows.append(result_row(base, name, (bm, bn, w, s), try_time(fn, ref), flops, contiguous, "vs_flash"))
-        del q, k, v, kc, vc
-        torch.cuda.empty_cache()
+    total = prefix + new
+    q = torch.randn(batch, HEADS, new, dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(batch, HEADS, total, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    flops = 4 * batch * HEADS * dim * (new * prefix + new * (new + 1) / 2)
+    kc, vc, tables = paged_copy(k, v)
+    seq_lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
+    qlens = torch.full((batch,), new, dtype=torch.int32, device="cuda")
+    cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * new
+    ref = packed(flash_attention(q, k, v, validate=False))
+    contiguous = bench(lambda: flash_attention(q, k, v, validate=False))
+    base = dict(batch=batch, prefix=prefix, new=new, dim=dim, flash_default=round(flops / contiguous / 1e12, 1))
+    print(base, flush=True)
+    qp, k_new, v_new = packed(q), packed(k[:, :, prefix:]), packed(v[:, :, prefix:])
+    for bm, bn, w, s in FLASH_CONFIGS:
+        for name, extra in (("paged", {}), ("paged_new", dict(k_new=k_new, v_new=v_new))):
+            fn = (lambda: paged_prefill(qp, kc, vc, tables, seq_lens, qlens, validate=False, max_query_len=new,
+                                        cu_query_lens=cu, block_m=bm, block_n=bn, num_warps=w, num_stages=s,
+                                        **extra))
+            rows.append(result_row(base, name, (bm, bn, w, s), try_time(fn, ref), flops, contiguous, "vs_flash"))
     return rows
 
 
-def tune_decode():
+def tune_decode(batch, seq_len):
     rows = []
-    for batch, seq_len in ((32, 32768), (1, 131072), (1, 32768), (1, 1024)):
-        blocks = seq_len // 16
-        kc = torch.randn(batch * blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
-        vc = torch.randn_like(kc)
-        tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks).to(torch.int32).contiguous()
-        seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
-        nbytes = 2 * kc.numel() * 2
-        ref = paged_decode(q, kc, vc, tables, seq_lens, num_splits=1, block_n=16)
-        for splits, bn, w, s in itertools.product((None, 1), (32, 64, 128), (4, 8), (2, 3, 4)):
-            if splits == 1 and (batch, seq_len) != (1, 32768):
-                continue
-            fn = (lambda: paged_decode(q, kc, vc, tables, seq_lens, num_splits=splits, max_seq_len=seq_len,
-                                       validate=False, block_n=bn, num_warps=w, num_stages=s))
-            t = try_time(fn, ref)
-            row = dict(batch=batch, seq_len=seq_len, splits=splits or "auto", cfg=f"n{bn} w{w} s{s}")
-            row.update(TBps=round(nbytes / t / 1e12, 2) if isinstance(t, float) else t,
-                       us=round(t * 1e6, 1) if isinstance(t, float) else "-")
-            rows.append(row)
-            print(row, flush=True)
-        del kc, vc
-        torch.cuda.empty_cache()
+    blocks = seq_len // 16
+    kc = torch.randn(batch * blocks, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    tables = torch.randperm(batch * blocks, device="cuda").view(batch, blocks).to(torch.int32).contiguous()
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 32, 128, device="cuda", dtype=torch.bfloat16)
+    nbytes = 2 * kc.numel() * 2
+    ref = paged_decode(q, kc, vc, tables, seq_lens, num_splits=1, block_n=16)
+    for splits, bn, w, s in itertools.product((None, 1), (32, 64, 128), (4, 8), (2, 3, 4)):
+        if splits == 1 and (batch, seq_len) != (1, 32768):
+            continue
+        fn = (lambda: paged_decode(q, kc, vc, tables, seq_lens, num_splits=splits, max_seq_len=seq_len,
+                                   validate=False, block_n=bn, num_warps=w, num_stages=s))
+        t = try_time(fn, ref)
+        row = dict(batch=batch, seq_len=seq_len, splits=splits or "auto", cfg=f"n{bn} w{w} s{s}")
+        row.update(TBps=round(nbytes / t / 1e12, 2) if isinstance(t, float) else t,
+                   us=round(t * 1e6, 1) if isinstance(t, float) else "-")
+        rows.append(row)
+        print(row, flush=True)
     return rows
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default=None)
+    parser = arguments()
     parser.add_argument("--only", default="flash,paged,paged_new,extend,decode")
     args = parser.parse_args()
     parts = args.only.split(",")
     result = {"env": environment()}
     if {"flash", "paged", "paged_new"} & set(parts):
-        result["flash"] = tune_flash(parts)
+        result["flash"] = each_case(FLASH_SHAPES, tune_flash, parts)
     if "extend" in parts:
-        result["extend"] = tune_extend()
+        result["extend"] = each_case(EXTENDS, tune_extend)
     if "decode" in parts:
-        result["decode"] = tune_decode()
+        result["decode"] = each_case(DECODES, tune_decode)
     for key in ("flash", "extend", "decode"):
         if key in result:
             best = {}

@@ -71,7 +71,7 @@ def parallel_sampling_blocks(prompt_len: int, gen_len: int, n: int, block_size: 
     """Blocks in use when ``n`` samples of one prompt have generated ``gen_len >= 1`` tokens each.
 
     Returns ``(with_sharing, without_sharing)``. With sharing, as
-    ``kvlab.beam_search.parallel_sampling`` runs it: sample 0 holds the ``prompt_len >= 1``
+    ``kvlab.workloads.beam_search.parallel_sampling`` runs it: sample 0 holds the ``prompt_len >= 1``
     prompt tokens, samples 1..n-1 fork it, then each sample appends one token per step.
     Without sharing: ``n`` independent sequences, each with its own copy of the prompt.
     Think about the prompt's last block when it is only partly filled.
@@ -81,5 +81,5 @@ def parallel_sampling_blocks(prompt_len: int, gen_len: int, n: int, block_size: 
 
 
 # Given: kvlab's BlockPool with fork and append replaced by yours. Plug it into the chapter's
-# beam search: kvlab.beam_search.beam_search(MyBlockPool(64, 4), prompt_len=6, beam_width=4, steps=8).
+# beam search: kvlab.workloads.beam_search.beam_search(MyBlockPool(64, 4), prompt_len=6, beam_width=4, steps=8).
 MyBlockPool = pool_with_fork_and_append(fork, append_with_copy_on_write)

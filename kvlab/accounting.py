@@ -95,30 +95,24 @@ class ModelSpec:
         return embeddings + self.num_layers * per_layer + h
 
 
+# Llama-style presets (SwiGLU MLP, untied embeddings, head_dim 128), one row each:
+# name, layers, query heads, KV heads, hidden size, MLP size, vocabulary, context length.
+_LLAMA_STYLE = [
+    ("llama-2-7b", 32, 32, 32, 4096, 11008, 32000, 4096),
+    ("llama-3-8b", 32, 32, 8, 4096, 14336, 128256, 8192),
+    ("llama-3-70b", 80, 64, 8, 8192, 28672, 128256, 8192),
+    ("mistral-7b", 32, 32, 8, 4096, 14336, 32000, 32768),
+    ("qwen2-72b", 80, 64, 8, 8192, 29568, 152064, 32768),
+]
 PRESETS: dict[str, ModelSpec] = {
-    spec.name: spec
-    for spec in [
-        ModelSpec("llama-2-7b", num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
-                  hidden_size=4096, intermediate_size=11008, vocab_size=32000,
-                  max_position_embeddings=4096),
-        ModelSpec("llama-3-8b", num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                  hidden_size=4096, intermediate_size=14336, vocab_size=128256,
-                  max_position_embeddings=8192),
-        ModelSpec("llama-3-70b", num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
-                  hidden_size=8192, intermediate_size=28672, vocab_size=128256,
-                  max_position_embeddings=8192),
-        ModelSpec("mistral-7b", num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                  hidden_size=4096, intermediate_size=14336, vocab_size=32000,
-                  max_position_embeddings=32768),
-        ModelSpec("qwen2-72b", num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128,
-                  hidden_size=8192, intermediate_size=29568, vocab_size=152064,
-                  max_position_embeddings=32768),
-        # GPT-3 (Brown et al., 2020): classic 2-matrix MLP of 4*h, tied embeddings, 2048 context.
-        ModelSpec("gpt-3-175b", num_layers=96, num_heads=96, num_kv_heads=96, head_dim=128,
-                  hidden_size=12288, intermediate_size=4 * 12288, vocab_size=50257,
-                  tie_word_embeddings=True, max_position_embeddings=2048, mlp_matrices=2),
-    ]
+    name: ModelSpec(name, num_layers=layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
+                    hidden_size=hidden, intermediate_size=mlp, vocab_size=vocab, max_position_embeddings=context)
+    for name, layers, heads, kv_heads, hidden, mlp, vocab, context in _LLAMA_STYLE
 }
+# GPT-3 (Brown et al., 2020): classic 2-matrix MLP of 4*h, tied embeddings, 2048 context.
+PRESETS["gpt-3-175b"] = ModelSpec("gpt-3-175b", num_layers=96, num_heads=96, num_kv_heads=96, head_dim=128,
+                                  hidden_size=12288, intermediate_size=4 * 12288, vocab_size=50257,
+                                  tie_word_embeddings=True, max_position_embeddings=2048, mlp_matrices=2)
 
 
 def get_spec(name_or_path) -> ModelSpec:

@@ -6,6 +6,7 @@ from hypothesis import event
 from hypothesis import strategies as st
 
 import kvlab
+from kvlab.errors import OutOfBlocksError, UnknownSequenceError
 from kvlab.reference import copy_blocks_ref, write_kv_ref
 
 
@@ -42,6 +43,44 @@ def attempt_unchanged(pool, snapshot, call, expected_exc=None, match=None):
     return None, result
 
 
+# -- the graded pool tests (graded test_ch03, test_ch04) -------------------------------------------
+def first_difference(got: dict, want: dict) -> str:
+    """The first entry of ``want`` (a pool's state) that ``got`` differs in, in words; "" if none."""
+    for key in want:
+        if got[key] != want[key]:
+            return f"{key}: got {got[key]}, expected {want[key]}"
+    return ""
+
+
+def outcome(op, *args):
+    """(result, None) or (None, exception type) of calling op."""
+    try:
+        return op(*args), None
+    except (OutOfBlocksError, UnknownSequenceError, ValueError, TypeError) as e:
+        return None, type(e)
+
+
+# -- block tables (graded test_ch02, test_ch06) -----------------------------------------------------
+def random_span(rng, block_sizes, num_ids, max_blocks):
+    """A random ``(block_table, block_size, start, end)``: 1 to ``max_blocks`` distinct block ids
+    below ``num_ids``, one of ``block_sizes``, and ``0 <= start <= end <=`` the table's slots."""
+    block_size = rng.choice(block_sizes)
+    table = rng.sample(range(num_ids), rng.randint(1, max_blocks))
+    start = rng.randint(0, len(table) * block_size)
+    return table, block_size, start, rng.randint(start, len(table) * block_size)
+
+
+# -- FlashAttention's causal tiles (test_kernel_plan, graded test_ch05) ---------------------------
+def brute_force_bounds(start_m, len_q, len_k, block_m, block_n, causal):
+    """``causal_tile_bounds`` by enumerating which keys each real query of the block sees."""
+    shift = len_k - len_q
+    rows = range(start_m, min(start_m + block_m, len_q))
+    sees = [[not causal or key <= row + shift for key in range(len_k)] for row in rows]
+    seen_by_all = next((key for key in range(len_k) if not all(r[key] for r in sees)), len_k)
+    end = 1 + max(key for r in sees for key in range(len_k) if r[key])
+    return seen_by_all // block_n * block_n, end
+
+
 # -- the block-pool tests (test_sharing, test_prefix_cache) --------------------------------------
 def snapshot(pool):
     """Everything a failed BlockPool call must leave alone, in a form that compares by value (order
@@ -60,6 +99,15 @@ def snapshot(pool):
         [(seq_id, list(hashes)) for seq_id, hashes in pool.seq_hashes.items()],
         list(pool.num_cached_tokens.items()),
     )
+
+
+def check_free(pool, seq, released):
+    """``pool.free(seq)`` returns ``released`` (the blocks nobody else holds) and appends exactly
+    those, in that order, to the free list; ``seq`` is gone."""
+    free_before = list(pool.free_blocks)
+    assert pool.free(seq) == released
+    assert list(pool.free_blocks) == free_before + released
+    assert seq not in pool
 
 
 class PoolMachineHelpers:

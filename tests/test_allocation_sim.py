@@ -1,18 +1,19 @@
-"""kvlab.allocation_sim: the trace, the address space, and the simulator's invariants."""
+"""kvlab.workloads.allocation: the trace, the address space, and the simulator's invariants."""
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab import allocation_sim as sim
-from kvlab.allocation_sim import FREE, HOLE, POLICIES, RESERVED, STORED, ContiguousSpace
+from kvlab.workloads import allocation as sim
+from kvlab.workloads.allocation import FREE, HOLE, POLICIES, RESERVED, STORED, ContiguousSpace
 
 MAX_LEN, BUDGET = 1024, 8 * 1024
 
 
 @pytest.fixture(scope="module")
 def trace():
-    return sim.make_trace(300, max_model_len=MAX_LEN, prompt_mean=100, output_mean=200, max_tokens=512, seed=3)
+    return sim.make_request_trace(300, max_model_len=MAX_LEN, prompt_mean=100, output_mean=200, max_tokens=512,
+                                  seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +31,20 @@ def test_trace_lengths_respect_the_limits(trace):
 
 
 def test_trace_is_deterministic_and_heavy_tailed():
-    a, b = sim.make_trace(2000, seed=7), sim.make_trace(2000, seed=7)
+    a, b = sim.make_request_trace(2000, seed=7), sim.make_request_trace(2000, seed=7)
     assert np.array_equal(a.prompt_lens, b.prompt_lens) and np.array_equal(a.output_lens, b.output_lens)
-    assert not np.array_equal(a.prompt_lens, sim.make_trace(2000, seed=8).prompt_lens)
+    assert not np.array_equal(a.prompt_lens, sim.make_request_trace(2000, seed=8).prompt_lens)
     assert np.median(a.prompt_lens) < 0.8 * a.prompt_lens.mean()  # lognormal: median below mean
 
 
 def test_poisson_arrivals():
-    t = sim.make_trace(500, arrival_rate=0.5, seed=1)
+    t = sim.make_request_trace(500, arrival_rate=0.5, seed=1)
     assert (np.diff(t.arrivals) >= 0).all()
     assert 800 < t.arrivals[-1] < 1200  # about 500 / 0.5 steps
 
 
 def test_oracle_max_tokens():
-    t = sim.make_trace(200, max_tokens=None)
+    t = sim.make_request_trace(200, max_tokens=None)
     assert np.array_equal(t.max_tokens, t.output_lens)
 
 
@@ -53,7 +54,7 @@ def test_oracle_max_tokens():
 ])
 def test_trace_bad_arguments(kwargs, word):
     with pytest.raises(ValueError, match=word):
-        sim.make_trace(**kwargs)
+        sim.make_request_trace(**kwargs)
 
 
 # -- the address space ------------------------------------------------------------------------
@@ -145,7 +146,7 @@ def test_max_num_seqs_caps_concurrency(trace):
 
 
 def test_light_load_finishes_without_waiting():
-    t = sim.make_trace(100, max_model_len=MAX_LEN, arrival_rate=0.02, seed=4)
+    t = sim.make_request_trace(100, max_model_len=MAX_LEN, arrival_rate=0.02, seed=4)
     r = sim.simulate(t, "contiguous-max", 64 * MAX_LEN)
     assert r.finished == 100 and r.summary().mean_running > 0
     assert (r.waiting == 0).all()
@@ -154,7 +155,7 @@ def test_light_load_finishes_without_waiting():
 @given(seed=st.integers(0, 10_000), budget_blocks=st.integers(64, 300), block_size=st.sampled_from([1, 4, 16, 64]))
 @settings(max_examples=15, deadline=None)
 def test_paged_invariants_on_random_traces(seed, budget_blocks, block_size):
-    t = sim.make_trace(60, max_model_len=512, prompt_mean=60, output_mean=80, seed=seed)
+    t = sim.make_request_trace(60, max_model_len=512, prompt_mean=60, output_mean=80, seed=seed)
     budget = max(budget_blocks * block_size, 1024)
     r = sim.simulate(t, "paged", budget, block_size=block_size)
     assert r.finished == 60 and r.new_tokens.sum() == t.output_lens.sum()

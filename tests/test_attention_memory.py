@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from kvlab import profile
-from kvlab.attention_memory import naive_attention, peak_memory, score_matrix_row
+from kvlab.workloads.attention_memory import naive_attention, peak_memory, score_matrix_row
 from kvlab.kernels.flash_attention import flash_attention
 from kvlab.reference import attention_ref
 

@@ -19,7 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 from kvlab import profile  # noqa: E402
-from kvlab.beam_search import (  # noqa: E402
+from kvlab.workloads.beam_search import (  # noqa: E402
     Beam,
     beam_search,
     beam_search_step,

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvlab
+from helpers import check_free
 from kvlab.paging import BlockPool, blocks_needed, slot_mapping
 from kvlab.paging import block_pool as block_pool_module
 from kvlab.paging.block_pool import check_count
@@ -457,11 +458,7 @@ class BlockPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(sorted(self.model)))
-        free_before = list(self.pool.free_blocks)
-        table = self.pool.block_table(seq)
-        assert self.pool.free(seq) == table
-        assert list(self.pool.free_blocks) == free_before + table
-        assert seq not in self.pool
+        check_free(self.pool, seq, self.pool.block_table(seq))
         del self.model[seq]
 
     @precondition(lambda self: self.model)

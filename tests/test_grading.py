@@ -60,7 +60,8 @@ def course_copy(tmp_path, monkeypatch):
     for folder in ("exercises", "solutions"):
         shutil.copytree(grading.ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     (tmp_path / "tests").mkdir()
-    shutil.copy(grading.ROOT / "tests" / "conftest.py", tmp_path / "tests")
+    for name in ("conftest.py", "helpers.py"):
+        shutil.copy(grading.ROOT / "tests" / name, tmp_path / "tests")
     shutil.copytree(grading.ROOT / "tests" / "graded", tmp_path / "tests" / "graded",
                     ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(grading.ROOT / "pyproject.toml", tmp_path)

@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import brute_force_bounds
 from kvlab import kernel_plan as kp
 from kvlab import profile
 
@@ -72,15 +73,6 @@ def test_launch_config(monkeypatch):
 
 
 # -- FlashAttention ------------------------------------------------------------------------------
-def brute_force_bounds(start_m, len_q, len_k, block_m, block_n, causal):
-    shift = len_k - len_q
-    rows = range(start_m, min(start_m + block_m, len_q))
-    sees = [[not causal or key <= row + shift for key in range(len_k)] for row in rows]
-    seen_by_all = next((key for key in range(len_k) if not all(r[key] for r in sees)), len_k)
-    end = 1 + max(key for r in sees for key in range(len_k) if r[key])
-    return seen_by_all // block_n * block_n, end
-
-
 def test_causal_tile_bounds_against_brute_force():
     assert kp.causal_tile_bounds(16, 40, 100, 16, 16) == (64, 92)
     for len_q, len_k, block_m, block_n, causal in itertools.product(

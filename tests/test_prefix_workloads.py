@@ -12,11 +12,11 @@ from matplotlib.figure import Figure  # noqa: E402
 
 from kvlab.paging import BlockPool  # noqa: E402
 from kvlab.paging.prefix_hash import hash_blocks, root_hash  # noqa: E402
-from kvlab.prefix_workloads import (  # noqa: E402
+from kvlab.workloads.prefix import (  # noqa: E402
     PrefixEvent,
     Request,
     admit,
-    apply_event,
+    apply_prefix_event,
     cached_prefix,
     chat_workload,
     compare,
@@ -286,7 +286,7 @@ def test_tree_parents_match_the_hash_chain():
     pool = BlockPool(10, 4, enable_prefix_caching=True)
     links = HashLinks()
     for event in scripted_scenario()[:3]:
-        apply_event(pool, event)
+        apply_prefix_event(pool, event)
         links.observe(pool)
     for seq, tokens in pool.seq_tokens.items():
         chain = [root_hash(pool.seq_salts[seq])] + hash_blocks(tokens, 4, pool.seq_salts[seq])
@@ -352,4 +352,4 @@ def test_prefix_frame_reports_a_broken_cache_map():
 
 def test_unknown_event_kind():
     with pytest.raises(ValueError, match="unknown event kind"):
-        apply_event(BlockPool(4, 2, enable_prefix_caching=True), PrefixEvent("jump", "a"))
+        apply_prefix_event(BlockPool(4, 2, enable_prefix_caching=True), PrefixEvent("jump", "a"))

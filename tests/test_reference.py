@@ -48,14 +48,18 @@ def suffix_causal_mask(num_q, num_kv):
 NUM_KV_HEADS = 2
 
 
+def _qkv(seed, num_q, num_kv, group, head_dim):
+    """Random q ``[num_q, NUM_KV_HEADS * group, head_dim]`` and k, v ``[num_kv, NUM_KV_HEADS, head_dim]``."""
+    gen = torch.Generator().manual_seed(seed)
+    q = randn(gen, num_q, NUM_KV_HEADS * group, head_dim)
+    return q, randn(gen, num_kv, NUM_KV_HEADS, head_dim), randn(gen, num_kv, NUM_KV_HEADS, head_dim)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("seq_len", [1, 5, 19])
 def test_attention_ref_causal_prefill_matches_sdpa(seq_len, group, head_dim):
-    gen = torch.Generator().manual_seed(1000 * seq_len + 10 * group + head_dim)
-    q = randn(gen, seq_len, NUM_KV_HEADS * group, head_dim)
-    k = randn(gen, seq_len, NUM_KV_HEADS, head_dim)
-    v = randn(gen, seq_len, NUM_KV_HEADS, head_dim)
+    q, k, v = _qkv(1000 * seq_len + 10 * group + head_dim, seq_len, seq_len, group, head_dim)
     out = attention_ref(q, k, v, causal=True, dtype=torch.float64)
     assert out.dtype == torch.float64
     assert out.shape == q.shape
@@ -66,10 +70,7 @@ def test_attention_ref_causal_prefill_matches_sdpa(seq_len, group, head_dim):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("num_q, num_kv", [(1, 1), (6, 6), (3, 11), (9, 4)])
 def test_attention_ref_non_causal_matches_sdpa(num_q, num_kv, group, head_dim):
-    gen = torch.Generator().manual_seed(7 + 1000 * num_q + 100 * num_kv + 10 * group + head_dim)
-    q = randn(gen, num_q, NUM_KV_HEADS * group, head_dim)
-    k = randn(gen, num_kv, NUM_KV_HEADS, head_dim)
-    v = randn(gen, num_kv, NUM_KV_HEADS, head_dim)
+    q, k, v = _qkv(7 + 1000 * num_q + 100 * num_kv + 10 * group + head_dim, num_q, num_kv, group, head_dim)
     out = attention_ref(q, k, v, causal=False, dtype=torch.float64)
     assert out.shape == q.shape
     torch.testing.assert_close(out, sdpa(q, k, v), **F64)
@@ -79,10 +80,7 @@ def test_attention_ref_non_causal_matches_sdpa(num_q, num_kv, group, head_dim):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("num_q, num_kv", [(1, 1), (1, 9), (1, 20), (3, 9), (7, 20), (16, 17)])
 def test_attention_ref_decode_and_extend_match_hand_built_mask(num_q, num_kv, group, head_dim):
-    gen = torch.Generator().manual_seed(13 + 1000 * num_q + 100 * num_kv + 10 * group + head_dim)
-    q = randn(gen, num_q, NUM_KV_HEADS * group, head_dim)
-    k = randn(gen, num_kv, NUM_KV_HEADS, head_dim)
-    v = randn(gen, num_kv, NUM_KV_HEADS, head_dim)
+    q, k, v = _qkv(13 + 1000 * num_q + 100 * num_kv + 10 * group + head_dim, num_q, num_kv, group, head_dim)
     out = attention_ref(q, k, v, causal=True, dtype=torch.float64)
     assert out.shape == q.shape
     torch.testing.assert_close(out, sdpa(q, k, v, mask=suffix_causal_mask(num_q, num_kv)), **F64)
@@ -214,7 +212,7 @@ def build_ragged_cache(gen, lens, *, num_kv_heads=2, head_dim=16, dtype=torch.fl
 def test_ragged_cache_tables_are_scattered():
     gen = torch.Generator().manual_seed(0)
     pool, *_ = build_ragged_cache(gen, RAGGED_LENS)
-    tables = [pool.block_table(i) for i in range(len(RAGGED_LENS))]
+    tables = _tables(pool)
     assert [len(t) for t in tables] == [-(-n // BLOCK_SIZE) for n in RAGGED_LENS]
     # not the trivial layout (consecutive block ids from 0, sequence after sequence)
     assert any(t[j + 1] != t[j] + 1 for t in tables for j in range(len(t) - 1))
@@ -255,8 +253,21 @@ def test_gather_kv_prefix_and_padded_table():
     assert torch.equal(gather_kv(k_cache, padded, 21), keys[i])
 
 
-def _padded_tables(pool, batch):
-    tables = [pool.block_table(i) for i in range(batch)]
+PAGED_KV_HEADS, PAGED_HEAD_DIM = 2, 64   # the paged_attention_ref tests' cache
+
+
+def _cache_for_attention(seed, group=0):
+    """A generator (seeded ``seed + group``) and the ragged cache, ``PAGED_KV_HEADS`` heads of ``PAGED_HEAD_DIM``."""
+    gen = torch.Generator().manual_seed(seed + group)
+    cache = build_ragged_cache(gen, RAGGED_LENS, num_kv_heads=PAGED_KV_HEADS, head_dim=PAGED_HEAD_DIM, seed=seed)
+    return gen, *cache
+
+
+def _tables(pool, tables_as="lists"):
+    """The ragged cache's block tables, as lists or as a zero-padded ``[batch, max_blocks]`` tensor."""
+    tables = [pool.block_table(i) for i in range(len(RAGGED_LENS))]
+    if tables_as == "lists":
+        return tables
     width = max(len(t) for t in tables)
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
@@ -281,16 +292,11 @@ def _sdpa_expected(q, keys, values, query_lens):
 @pytest.mark.parametrize("tables_as", ["lists", "tensor"])
 @pytest.mark.parametrize("group", [1, 4])
 def test_paged_attention_ref_decode_matches_contiguous(group, tables_as):
-    gen = torch.Generator().manual_seed(31 + group)
-    num_kv_heads, head_dim = 2, 64
-    pool, k_cache, v_cache, keys, values = build_ragged_cache(gen, RAGGED_LENS, num_kv_heads=num_kv_heads,
-                                                              head_dim=head_dim, seed=31)
-    batch = len(RAGGED_LENS)
-    tables = ([pool.block_table(i) for i in range(batch)] if tables_as == "lists"
-              else _padded_tables(pool, batch))
+    gen, pool, k_cache, v_cache, keys, values = _cache_for_attention(31, group)
+    tables, batch = _tables(pool, tables_as), len(RAGGED_LENS)
     seq_lens = [pool.seq_len(i) for i in range(batch)]
     assert seq_lens == RAGGED_LENS
-    q = randn(gen, batch, num_kv_heads * group, head_dim, dtype=torch.float32)
+    q = randn(gen, batch, PAGED_KV_HEADS * group, PAGED_HEAD_DIM, dtype=torch.float32)
     out = paged_attention_ref(q, k_cache, v_cache, tables, seq_lens, dtype=torch.float64)
     assert out.dtype == torch.float64 and out.shape == q.shape
     assert not torch.isnan(out).any()
@@ -305,15 +311,10 @@ def test_paged_attention_ref_decode_matches_contiguous(group, tables_as):
 @pytest.mark.parametrize("tables_as", ["lists", "tensor"])
 @pytest.mark.parametrize("group", [1, 4])
 def test_paged_attention_ref_extend_matches_contiguous(group, tables_as):
-    gen = torch.Generator().manual_seed(41 + group)
-    num_kv_heads, head_dim = 2, 64
-    pool, k_cache, v_cache, keys, values = build_ragged_cache(gen, RAGGED_LENS, num_kv_heads=num_kv_heads,
-                                                              head_dim=head_dim, seed=41)
-    batch = len(RAGGED_LENS)
-    tables = ([pool.block_table(i) for i in range(batch)] if tables_as == "lists"
-              else _padded_tables(pool, batch))
+    gen, pool, k_cache, v_cache, keys, values = _cache_for_attention(41, group)
+    tables = _tables(pool, tables_as)
     query_lens = [1, 3, BLOCK_SIZE, 2, 13]   # a full prefill, extends, a decode
-    q = randn(gen, sum(query_lens), num_kv_heads * group, head_dim, dtype=torch.float32)
+    q = randn(gen, sum(query_lens), PAGED_KV_HEADS * group, PAGED_HEAD_DIM, dtype=torch.float32)
     out = paged_attention_ref(q, k_cache, v_cache, tables, RAGGED_LENS, query_lens=query_lens,
                               dtype=torch.float64)
     assert out.dtype == torch.float64 and out.shape == q.shape
@@ -323,14 +324,10 @@ def test_paged_attention_ref_extend_matches_contiguous(group, tables_as):
 
 
 def test_paged_attention_ref_passes_causal_and_sm_scale():
-    gen = torch.Generator().manual_seed(51)
-    pool, k_cache, v_cache, keys, values = build_ragged_cache(gen, RAGGED_LENS, num_kv_heads=2, head_dim=64,
-                                                              seed=51)
-    batch = len(RAGGED_LENS)
-    tables = [pool.block_table(i) for i in range(batch)]
+    gen, pool, k_cache, v_cache, keys, values = _cache_for_attention(51)
     query_lens = [1, 2, 3, 4, 5]
-    q = randn(gen, sum(query_lens), 8, 64, dtype=torch.float32)
-    out = paged_attention_ref(q, k_cache, v_cache, tables, RAGGED_LENS, query_lens=query_lens, causal=False,
+    q = randn(gen, sum(query_lens), 8, PAGED_HEAD_DIM, dtype=torch.float32)
+    out = paged_attention_ref(q, k_cache, v_cache, _tables(pool), RAGGED_LENS, query_lens=query_lens, causal=False,
                               sm_scale=0.25, dtype=torch.float64)
     expected = _contiguous_expected(q, keys, values, query_lens, causal=False, sm_scale=0.25)
     torch.testing.assert_close(out, expected, **F64)
@@ -339,7 +336,7 @@ def test_paged_attention_ref_passes_causal_and_sm_scale():
 def test_paged_attention_ref_default_dtype_is_float32():
     gen = torch.Generator().manual_seed(52)
     pool, k_cache, v_cache, keys, values = build_ragged_cache(gen, RAGGED_LENS, seed=52)
-    tables = [pool.block_table(i) for i in range(len(RAGGED_LENS))]
+    tables = _tables(pool)
     q = randn(gen, len(RAGGED_LENS), 4, 16, dtype=torch.float32)
     out = paged_attention_ref(q, k_cache, v_cache, tables, RAGGED_LENS)
     assert out.dtype == torch.float32
@@ -363,7 +360,7 @@ def test_paged_attention_ref_empty_batch():
 def test_paged_attention_ref_rejects_query_lens_not_matching_q(num_q, query_lens):
     gen = torch.Generator().manual_seed(61)
     pool, k_cache, v_cache, *_ = build_ragged_cache(gen, RAGGED_LENS, seed=61)
-    tables = [pool.block_table(i) for i in range(len(RAGGED_LENS))]
+    tables = _tables(pool)
     q = randn(gen, num_q, 4, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match=f"q has {num_q} tokens, query_lens"):
         paged_attention_ref(q, k_cache, v_cache, tables, RAGGED_LENS, query_lens=query_lens)
@@ -372,7 +369,7 @@ def test_paged_attention_ref_rejects_query_lens_not_matching_q(num_q, query_lens
 def test_paged_attention_ref_rejects_more_queries_than_cached_tokens():
     gen = torch.Generator().manual_seed(62)
     pool, k_cache, v_cache, *_ = build_ragged_cache(gen, RAGGED_LENS, seed=62)
-    tables = [pool.block_table(i) for i in range(len(RAGGED_LENS))]
+    tables = _tables(pool)
     query_lens = [2, 1, 1, 1, 1]   # the first sequence holds one token
     q = randn(gen, sum(query_lens), 4, 16, dtype=torch.float32)
     with pytest.raises(ValueError, match="2 queries but only 1 cached tokens"):

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvlab
-from helpers import PoolMachineHelpers, snapshot
+from helpers import PoolMachineHelpers, check_free, snapshot
 from kvlab.paging import BlockPool, allocate_kv_cache, blocks_needed
 from kvlab.reference import copy_blocks_ref, gather_kv
 
@@ -459,12 +459,9 @@ class SharingMachine(PoolMachineHelpers, RuleBasedStateMachine):
     def free(self, data):
         seq = data.draw(st.sampled_from(sorted(self.model)))
         table = self.pool.block_table(seq)
-        free_before = list(self.pool.free_blocks)
         released = [b for b in table if self.holders(b) == 1]
         event(f"free: {'keeps shared blocks' if len(released) < len(table) else 'releases all'}")
-        assert self.pool.free(seq) == released
-        assert list(self.pool.free_blocks) == free_before + released
-        assert seq not in self.pool
+        check_free(self.pool, seq, released)
         del self.model[seq]
 
     @precondition(lambda self: self.model)

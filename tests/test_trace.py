@@ -11,9 +11,15 @@ from hypothesis import strategies as st  # noqa: E402
 from kvlab import profile  # noqa: E402
 from kvlab.paging import BlockPool, allocate_kv_cache, batch_slot_mapping, blocks_needed  # noqa: E402
 from kvlab.paging.seed_cache import SeedPagedAttentionCache, append_tokens_one_by_one  # noqa: E402
-from kvlab.paging.trace import KINDS, AllocatorEvent, apply_event, make_trace, replay  # noqa: E402
 from kvlab.reference import gather_kv, write_kv_ref  # noqa: E402
 from kvlab.viz.page_map import frame_problems  # noqa: E402
+from kvlab.workloads.allocator_trace import (  # noqa: E402
+    KINDS,
+    AllocatorEvent,
+    apply_allocator_event,
+    make_allocator_trace,
+    replay,
+)
 
 
 def check_invariants(frame, pool_size):
@@ -27,9 +33,9 @@ def check_invariants(frame, pool_size):
 
 
 def test_trace_is_deterministic_and_well_formed():
-    trace = make_trace(num_blocks=24, block_size=4, num_requests=10, seed=0)
-    assert trace == make_trace(num_blocks=24, block_size=4, num_requests=10, seed=0)
-    assert trace != make_trace(num_blocks=24, block_size=4, num_requests=10, seed=1)
+    trace = make_allocator_trace(num_blocks=24, block_size=4, num_requests=10, seed=0)
+    assert trace == make_allocator_trace(num_blocks=24, block_size=4, num_requests=10, seed=0)
+    assert trace != make_allocator_trace(num_blocks=24, block_size=4, num_requests=10, seed=1)
     assert 40 <= len(trace) <= 120
     assert {e.kind for e in trace} == set(KINDS)
     assert [e.step for e in trace] == sorted(e.step for e in trace)
@@ -46,8 +52,9 @@ def test_trace_is_deterministic_and_well_formed():
 def test_replay_on_a_fresh_pool_never_fails_and_keeps_invariants(num_blocks, block_size, num_requests, seed,
                                                                  tokens_per_step, max_running):
     longest = num_blocks * block_size
-    trace = make_trace(num_blocks, block_size, num_requests, seed, prompt_lens=(1, max(1, longest // 3)),
-                       output_lens=(0, longest // 2), tokens_per_step=tokens_per_step, max_running=max_running)
+    trace = make_allocator_trace(num_blocks, block_size, num_requests, seed,
+                                 prompt_lens=(1, max(1, longest // 3)), output_lens=(0, longest // 2),
+                                 tokens_per_step=tokens_per_step, max_running=max_running)
     pool = BlockPool(num_blocks, block_size)
     frames = replay(trace, pool)
     assert len(frames) == len(trace)
@@ -67,14 +74,14 @@ def test_replay_titles_say_what_happened():
                       "step 3: seq 3 finishes -> frees blocks 0, 1, 2"]
 
 
-def test_make_trace_rejects_requests_that_can_never_fit():
+def test_make_allocator_trace_rejects_requests_that_can_never_fit():
     with pytest.raises(ValueError, match="never fit"):
-        make_trace(num_blocks=2, block_size=4, num_requests=1, prompt_lens=(4, 6), output_lens=(2, 3))
+        make_allocator_trace(num_blocks=2, block_size=4, num_requests=1, prompt_lens=(4, 6), output_lens=(2, 3))
 
 
-def test_apply_event_rejects_unknown_kinds():
+def test_apply_allocator_event_rejects_unknown_kinds():
     with pytest.raises(ValueError, match="unknown event kind"):
-        apply_event(AllocatorEvent(0, "swap", 0, 1), BlockPool(4, 4))
+        apply_allocator_event(BlockPool(4, 4), AllocatorEvent(0, "swap", 0, 1))
 
 
 def random_kv(num_tokens, num_layers=2, num_heads=2, head_dim=8, seed=0):

@@ -4,7 +4,7 @@
 chapter's module from here, so the code around the tasks is the same for both, and
 ``kvlab.use_solution`` (which copies a solution over an exercise) keeps working. A given piece
 that runs a task (a kernel that calls your loop body, a pool that calls your ``fork``) is made
-by a function that takes the task's implementation: ``write_kv = write_kv_with(write_kv_kernel)``.
-Chapter 1 has no given code; chapter 5's given kernel calls your loop body from inside a Triton
-kernel, so it stays in both of its files, where you read it around your task.
+by a function that takes the task's implementation: ``write_kv = write_kv_with(write_kv_kernel)``;
+chapter 5's given kernel takes your ``@triton.jit`` loop body as a ``tl.constexpr`` argument.
+Chapter 1 has no given code.
 """

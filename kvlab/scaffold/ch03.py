@@ -9,7 +9,7 @@ def pool_with_fork_and_append(fork, append_with_copy_on_write) -> type[BlockPool
         """kvlab's ``BlockPool`` with ``fork`` and ``append`` replaced by yours (given, not a task).
 
         Plug it into the chapter's parallel sampling and beam search:
-        ``kvlab.beam_search.beam_search(MyBlockPool(64, 4), prompt_len=6, beam_width=4, steps=8)``.
+        ``kvlab.workloads.beam_search.beam_search(MyBlockPool(64, 4), prompt_len=6, beam_width=4, steps=8)``.
         """
 
         def fork(self, parent, child) -> list[int]:

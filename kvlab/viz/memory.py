@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from kvlab import accounting as acc
-from kvlab.allocation_sim import FREE, HOLE, RESERVED, STORED
+from kvlab.workloads.allocation import FREE, HOLE, RESERVED, STORED
 
 # slot states of a memory map, and the colours used for them everywhere in this chapter
 STATE_COLORS = {STORED: "#2b8a3e", RESERVED: "#f59f00", HOLE: "#e03131", FREE: "#e9ecef"}

@@ -24,9 +24,9 @@ from matplotlib.patches import FancyBboxPatch, Patch
 
 from kvlab.paging.prefix_hash import root_hash
 from kvlab.paging.snapshot import PageMapFrame, frame_problems, page_map_frame
-from kvlab.prefix_workloads import SCENARIO_BLOCK_SIZE, SCENARIO_NUM_BLOCKS, apply_event, describe
 from kvlab.viz.page_map import CACHED_EDGE, CACHED_FACE, draw_page_map
 from kvlab.viz.stepper import figure_pixels
+from kvlab.workloads.prefix import SCENARIO_BLOCK_SIZE, SCENARIO_NUM_BLOCKS, apply_prefix_event, describe
 
 # node states, and how they are drawn: (face, edge)
 STATE_COLOURS = {
@@ -143,7 +143,7 @@ def prefix_frame(pool, links: HashLinks, title: str = "", hits=(),
 
 
 def replay_scenario(events, pool=None) -> list[PrefixFrame]:
-    """Apply ``events`` (:class:`kvlab.prefix_workloads.PrefixEvent`) to ``pool`` (default: the
+    """Apply ``events`` (:class:`kvlab.workloads.prefix.PrefixEvent`) to ``pool`` (default: the
     scenario's fresh pool with prefix caching); a frame after each, plus one of the start."""
     if pool is None:
         from kvlab.paging import BlockPool
@@ -152,7 +152,7 @@ def replay_scenario(events, pool=None) -> list[PrefixFrame]:
     links = HashLinks()
     frames = [prefix_frame(pool, links, f"{pool.num_blocks} empty blocks of {pool.block_size} tokens")]
     for event in events:
-        outcome = apply_event(pool, event)
+        outcome = apply_prefix_event(pool, event)
         links.observe(pool)
         title = describe(event, outcome, pool.block_size)
         frames.append(prefix_frame(pool, links, title, outcome.hits, previous=frames[-1]))

@@ -15,9 +15,9 @@ from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, Rectangle
 from matplotlib.patheffects import withStroke
 
-from kvlab.beam_search import prompt_ratio_for, sharing_ratio_formula
 from kvlab.paging.snapshot import PageMapFrame, tokens_in_block
 from kvlab.viz.page_map import FREE_EDGE, FREE_FACE, text_colour, tint, seq_colour
+from kvlab.workloads.beam_search import prompt_ratio_for, sharing_ratio_formula
 
 CELL = 0.42               # inches per block square
 SHARED_FACE = "#495057"   # a physical block held by several sequences
@@ -115,7 +115,7 @@ def draw_shared_tables(frame: PageMapFrame, copies=(), title: str | None = None)
 def plot_sharing_ratio(measurements, claim: float = 0.30, claim_k: int = 4) -> Figure:
     """Memory with sharing / without against the prompt-to-generation ratio P/L.
 
-    ``measurements`` are :class:`kvlab.beam_search.SharingMemory` results (any modes, one or
+    ``measurements`` are :class:`kvlab.workloads.beam_search.SharingMemory` results (any modes, one or
     more k). Lines: the formula (P + kL) / (k(P + L)) for each k and its floor 1/k; points:
     the measured block ratios; the seed's claim is the horizontal line at ``claim``, and the
     P/L where the formula reaches it at ``claim_k`` is marked.
@@ -154,7 +154,7 @@ def plot_sharing_ratio(measurements, claim: float = 0.30, claim_k: int = 4) -> F
 
 
 def plot_blocks_per_step(runs: dict, title: str = "Blocks in use while generating") -> Figure:
-    """One line per :class:`kvlab.beam_search.DecodeRun`: blocks in use after each step."""
+    """One line per :class:`kvlab.workloads.beam_search.DecodeRun`: blocks in use after each step."""
     fig = Figure(figsize=(7.5, 3.8), layout="constrained")
     ax = fig.add_subplot()
     for name, run in runs.items():

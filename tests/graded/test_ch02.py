@@ -4,6 +4,7 @@ import random
 import pytest
 import torch
 
+from helpers import random_span
 from kvlab import profile
 from kvlab.errors import OutOfBlocksError, UnknownSequenceError
 from kvlab.paging import BlockPool as ReferencePool
@@ -115,10 +116,8 @@ def test_slot_mapping_worked_example(ch02):
 def test_slot_mapping_random(ch02):
     rng = random.Random(0)
     for _ in range(200):
-        block_size = rng.choice([1, 2, 3, 16])
-        table = rng.sample(range(100), rng.randint(1, 6))
-        start = rng.randrange(len(table) * block_size)
-        n = rng.randint(0, len(table) * block_size - start)
+        table, block_size, start, end = random_span(rng, [1, 2, 3, 16], 100, 6)
+        n = end - start
         want = reference_slot_mapping(table, start, n, block_size)
         got = ch02.slot_mapping(table, start, n, block_size)
         assert got == want, f"slot_mapping({table}, {start}, {n}, {block_size}) = {got}, expected {want}"

@@ -3,12 +3,12 @@ import random
 
 import pytest
 
-from kvlab.beam_search import sharing_memory
+from helpers import first_difference, outcome
 from kvlab.errors import OutOfBlocksError, UnknownSequenceError
 from kvlab.paging import BlockPool
+from kvlab.workloads.beam_search import sharing_memory
 
 pytestmark = pytest.mark.ch03
-ERRORS = (OutOfBlocksError, UnknownSequenceError, ValueError, TypeError)
 
 
 class GuardedPool(BlockPool):
@@ -25,21 +25,6 @@ def state(pool) -> dict:
     return {"block_tables": {s: list(t) for s, t in pool.block_tables.items()},
             "seq_lens": dict(pool.seq_lens), "ref_counts": list(pool.ref_counts),
             "free_blocks": list(pool.free_blocks), "pending_copies": list(pool.pending_copies)}
-
-
-def first_difference(got: dict, want: dict) -> str:
-    for key in want:
-        if got[key] != want[key]:
-            return f"{key} is {got[key]}, expected {want[key]}"
-    return ""
-
-
-def outcome(op, *args):
-    """(result, None) or (None, exception type) of calling op."""
-    try:
-        return op(*args), None
-    except ERRORS as e:
-        return None, type(e)
 
 
 def shared_pool(num_blocks=8, block_size=4, prompt_len=6):
@@ -85,6 +70,13 @@ def test_fork_errors_change_nothing(ch03):
         assert state(pool) == before, f"fork{args} raised but changed the pool: {first_difference(state(pool), before)}"
 
 
+def random_pools(seed, sizes):
+    """A seeded ``random.Random``, and a guarded pool and kvlab's of one ``(num_blocks, block_size)`` of ``sizes``."""
+    rng = random.Random(seed)
+    num_blocks, block_size = rng.choice(sizes)
+    return rng, GuardedPool(num_blocks, block_size), BlockPool(num_blocks, block_size)
+
+
 def compare_on_workload(mine, ref, ops, learner_ops):
     """Apply every ``(kind, args)`` of ``ops`` to both pools (``learner_ops[kind]`` on ``mine``,
     kvlab's own method otherwise) and compare results, errors and full state after each one."""
@@ -116,9 +108,7 @@ def random_ops(rng, ref, steps, kinds, fork_args, append_ids):
 @pytest.mark.task("fork")
 @pytest.mark.parametrize("seed", range(3))
 def test_fork_random_workload_matches_the_reference(ch03, seed):
-    rng = random.Random(seed)
-    num_blocks, block_size = rng.choice([(16, 4), (24, 3), (12, 16)])
-    mine, ref = GuardedPool(num_blocks, block_size), BlockPool(num_blocks, block_size)
+    rng, mine, ref = random_pools(seed, [(16, 4), (24, 3), (12, 16)])
     ops = random_ops(rng, ref, 200, ["allocate", "fork", "fork", "append", "append", "free"],
                      fork_args=lambda live, step: (rng.choice(live + [-1]), rng.choice([2000 + step, 2000 + step, *live])),
                      append_ids=lambda live: live)
@@ -187,9 +177,7 @@ def test_bad_arguments_are_refused_in_order(ch03):
 @pytest.mark.task("copy_on_write")
 @pytest.mark.parametrize("seed", range(3))
 def test_copy_on_write_random_workload_matches_the_reference(ch03, seed):
-    rng = random.Random(seed)
-    num_blocks, block_size = rng.choice([(16, 4), (20, 3), (10, 5)])
-    mine, ref = GuardedPool(num_blocks, block_size), BlockPool(num_blocks, block_size)
+    rng, mine, ref = random_pools(seed, [(16, 4), (20, 3), (10, 5)])
 
     def ops():
         for op in random_ops(rng, ref, 250, ["allocate", "fork", "fork", "append", "append", "append", "free"],

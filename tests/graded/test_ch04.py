@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+from helpers import first_difference, outcome
 from kvlab.errors import OutOfBlocksError, UnknownSequenceError
 from kvlab.paging import BlockPool as ReferencePool
 from kvlab.paging.prefix_hash import hash_blocks, root_hash
@@ -22,21 +23,6 @@ def cache_state(pool):
         "seq_lens": dict(pool.seq_lens),
         "seq_hashes": {s: list(h) for s, h in pool.seq_hashes.items()},
     }
-
-
-def first_difference(got: dict, want: dict) -> str:
-    for key in want:
-        if got[key] != want[key]:
-            return f"{key}: got {got[key]}, expected {want[key]}"
-    return ""
-
-
-def outcome(op, *args):
-    """(result, None) or (None, exception type) of calling op."""
-    try:
-        return op(*args), None
-    except (OutOfBlocksError, UnknownSequenceError, ValueError, TypeError) as e:
-        return None, type(e)
 
 
 def random_prompt(rng, prefixes, block_size):

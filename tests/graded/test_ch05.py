@@ -4,9 +4,10 @@ import itertools
 import pytest
 import torch
 
+from helpers import brute_force_bounds
 from kvlab import profile
-from kvlab.attention_memory import peak_memory
 from kvlab.reference import attention_ref
+from kvlab.workloads.attention_memory import peak_memory
 
 pytestmark = pytest.mark.ch05
 
@@ -100,16 +101,6 @@ def test_kernel_survives_large_scores(ch05, guard):
 
 
 # -- causal_bounds -------------------------------------------------------------------------
-def brute_force_bounds(start_m, len_q, len_k, block_m, block_n, causal):
-    """Enumerate which keys each real query of the block sees."""
-    shift = len_k - len_q
-    rows = range(start_m, min(start_m + block_m, len_q))
-    sees = [[not causal or key <= row + shift for key in range(len_k)] for row in rows]
-    seen_by_all = next((key for key in range(len_k) if not all(r[key] for r in sees)), len_k)
-    end = 1 + max(key for r in sees for key in range(len_k) if r[key])
-    return seen_by_all // block_n * block_n, end
-
-
 @pytest.mark.task("causal_bounds")
 def test_causal_bounds_worked_example(ch05):
     # 40 new tokens after 60 cached: queries at positions 60..99; block 16..31 sees keys 0..76 to 0..91

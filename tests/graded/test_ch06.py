@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from helpers import random_span
 from kvlab import profile
 
 pytestmark = pytest.mark.ch06
@@ -65,10 +66,7 @@ def test_split_pages_worked_example(ch06):
 def test_split_pages_random(ch06):
     rng = random.Random(1)
     for _ in range(300):
-        block_size = rng.choice([1, 3, 4, 16])
-        table = rng.sample(range(200), rng.randint(1, 12))
-        start = rng.randint(0, len(table) * block_size)
-        end = rng.randint(start, len(table) * block_size)
+        table, block_size, start, end = random_span(rng, [1, 3, 4, 16], 200, 12)
         want = []
         for pos in range(start, end):
             if not want or want[-1] != table[pos // block_size]:

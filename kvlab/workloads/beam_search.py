@@ -26,7 +26,7 @@ from typing import Callable, Iterator, Sequence
 
 from kvlab.paging.block_pool import BlockPool, blocks_needed
 from kvlab.paging.snapshot import page_map_frame
-from kvlab.paging.trace import blocks_phrase
+from kvlab.workloads.allocator_trace import blocks_phrase
 
 MODES = ("parallel", "beam")
 

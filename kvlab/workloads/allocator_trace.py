@@ -1,6 +1,6 @@
 """Allocator traces: a recorded run of requests arriving, growing and finishing.
 
-:func:`make_trace` simulates a tiny serving loop against a real :class:`BlockPool` and
+:func:`make_allocator_trace` simulates a tiny serving loop against a real :class:`BlockPool` and
 records every change it made as an :class:`AllocatorEvent`. :func:`replay` applies such a
 trace to any pool (yours too) and snapshots the pool after each event: the frames a page-map
 step-through shows.
@@ -33,9 +33,9 @@ class AllocatorEvent:
     num_tokens: int
 
 
-def make_trace(num_blocks: int, block_size: int, num_requests: int, seed: int = 0, *,
-               prompt_lens: tuple[int, int] = (2, 12), output_lens: tuple[int, int] = (4, 16),
-               tokens_per_step: int = 2, max_running: int | None = None) -> list[AllocatorEvent]:
+def make_allocator_trace(num_blocks: int, block_size: int, num_requests: int, seed: int = 0, *,
+                         prompt_lens: tuple[int, int] = (2, 12), output_lens: tuple[int, int] = (4, 16),
+                         tokens_per_step: int = 2, max_running: int | None = None) -> list[AllocatorEvent]:
     """A trace of ``num_requests`` requests (seq ids 0, 1, ...) that is valid for any correct pool
     of ``num_blocks`` blocks of ``block_size``.
 
@@ -102,7 +102,7 @@ def blocks_phrase(blocks) -> str:
     return ("block " if len(blocks) == 1 else "blocks ") + ", ".join(map(str, blocks))
 
 
-def apply_event(event: AllocatorEvent, pool) -> str:
+def apply_allocator_event(pool, event: AllocatorEvent) -> str:
     """Apply one event to ``pool``; returns what happened in words (blocks read off its tables)."""
     before = list(pool.block_tables.get(event.seq_id, []))
     head = f"step {event.step}: seq {event.seq_id}"
@@ -129,4 +129,4 @@ def replay(trace: list[AllocatorEvent], pool) -> list[PageMapFrame]:
     NotImplementedError from an unfinished exercise) propagates, with the pool as the
     failing event left it.
     """
-    return [page_map_frame(pool, title=apply_event(event, pool)) for event in trace]
+    return [page_map_frame(pool, title=apply_allocator_event(pool, event)) for event in trace]

@@ -23,7 +23,7 @@ Three policies reserve memory differently:
     slots per sequence. Memory can run out mid-decode; then the most recently admitted
     request is preempted (its blocks are freed and it is recomputed later, as in vLLM).
 
-The trace's lengths are lognormal (see :func:`make_trace`). Everything is deterministic given
+The trace's lengths are lognormal (see :func:`make_request_trace`). Everything is deterministic given
 the trace's seed, and pure Python/numpy: a few thousand steps take well under a second.
 
 A step is one decode iteration of the whole batch. Prefill takes no extra step here, and a
@@ -70,9 +70,9 @@ def lognormal_lengths(rng, n: int, mean: float, sigma: float) -> np.ndarray:
     return np.maximum(1, np.rint(rng.lognormal(mu, sigma, n))).astype(np.int64)
 
 
-def make_trace(num_requests: int = 1000, *, max_model_len: int = 2048, prompt_mean: float = 160,
-               output_mean: float = 340, sigma: float = 1.0, max_tokens: int | None = 1024,
-               arrival_rate: float | None = None, seed: int = 0) -> Trace:
+def make_request_trace(num_requests: int = 1000, *, max_model_len: int = 2048, prompt_mean: float = 160,
+                       output_mean: float = 340, sigma: float = 1.0, max_tokens: int | None = 1024,
+                       arrival_rate: float | None = None, seed: int = 0) -> Trace:
     """A synthetic chat trace: heavy-tailed (lognormal) prompt and output lengths.
 
     The defaults mimic ShareGPT conversations as the PagedAttention paper reports them (mean

@@ -388,7 +388,8 @@ class PrefixEvent:
     salt: object = None
 
 
-def apply_event(pool: BlockPool, event: PrefixEvent) -> Outcome:
+def apply_prefix_event(pool: BlockPool, event: PrefixEvent) -> Outcome:
+    """Apply one scripted event to ``pool`` with :func:`admit`, :func:`grow` or :func:`finish`."""
     if event.kind == "arrive":
         return admit(pool, event.seq_id, event.tokens, event.salt)
     if event.kind == "grow":
