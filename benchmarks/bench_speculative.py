@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -146,29 +147,57 @@ def engine_step_ms(model, context: int, q: int) -> float:
 
 
 # -- 2 and 3: the tiny pair ----------------------------------------------------------------------
-def generate_timed(prompts, max_tokens: int, batch: int, spec=None) -> dict:
+def tiny_engine(batch: int, spec=None):
+    """The shipped tiny target (and draft), warmed up; a fixed cache so several fit on one GPU."""
     from kvlab import LLM, SamplingParams
 
-    llm = LLM(max_num_seqs=batch, speculative_config=spec)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate(prompts[:batch], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)   # warm-up
+    llm = LLM(max_num_seqs=batch, num_gpu_blocks=2048, speculative_config=spec)
+    llm.generate(["def f(x):"] * batch, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    return llm
+
+
+def timed_generate(llm, prompts, max_tokens: int) -> dict:
+    """One greedy ``generate`` over ``prompts``: tokens/s, outputs and speculation statistics."""
+    from kvlab import SamplingParams
+    from kvlab.engine.sequence import SpecDecodeStats
+
     llm.reset_prefix_cache()
-    if spec:
-        llm.spec_decode_stats.__init__()
+    if llm.spec_decode_stats is not None:
+        llm.spec_decode_stats = SpecDecodeStats()
     synchronize()
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                        use_tqdm=False)
     synchronize()
     seconds = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     row = {"tok_s": round(tokens / seconds, 1), "seconds": round(seconds, 3), "tokens": tokens,
            "outputs": [o.outputs[0].token_ids for o in outs]}
-    if spec:
-        s = llm.spec_decode_stats
-        row.update(k=spec["num_speculative_tokens"], tokens_per_step=round(s.mean_acceptance_length, 4),
-                   acceptance_rate=round(s.acceptance_rate, 4), num_drafts=s.num_drafts,
+    s = llm.spec_decode_stats
+    if s is not None:
+        row.update(k=llm.engine_config.speculative_config.num_speculative_tokens,
+                   tokens_per_step=round(s.mean_acceptance_length, 4), acceptance_rate=round(s.acceptance_rate, 4),
+                   num_drafts=s.num_drafts,
                    acceptance_by_position=[round(a / s.num_drafts, 4) for a in s.accepted_per_position])
     return row
+
+
+def compare(prompts, max_tokens: int, batch: int, specs: dict, repeats: int = 3) -> dict:
+    """Each configuration's median run of ``repeats``, the runs interleaved (so drift in the
+    machine's speed hits all alike); ``specs`` maps a name to a speculative_config or None."""
+    engines = {name: tiny_engine(batch, spec) for name, spec in specs.items()}
+    runs = {name: [] for name in specs}
+    for _ in range(repeats):
+        for name, llm in engines.items():
+            runs[name].append(timed_generate(llm, prompts, max_tokens))
+    del engines
+    if profile.DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    result = {}
+    for name, rows in runs.items():
+        best = sorted(rows, key=lambda r: r["tok_s"])[len(rows) // 2]
+        result[name] = dict(best, tok_s_runs=[r["tok_s"] for r in rows])
+    return result
 
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
@@ -177,8 +206,8 @@ def expected_tokens_per_step(alpha: float, k: int) -> float:
 
 
 def tiny_pair(prompts, max_tokens: int, ks, batch: int) -> dict:
-    rows = {k: generate_timed(prompts, max_tokens, batch, {"method": "draft_model", "num_speculative_tokens": k})
-            for k in ks}
+    rows = compare(prompts, max_tokens, batch,
+                   {k: {"method": "draft_model", "num_speculative_tokens": k} for k in ks}, repeats=1)
     alpha = rows[ks[0]]["acceptance_rate"]
     return {"method": "draft_model", "alpha_k1": alpha, "k": list(ks),
             "measured_tokens_per_step": [rows[k]["tokens_per_step"] for k in ks],
@@ -201,15 +230,19 @@ def draft_cost_ratio(context: int = 512) -> float:
 
 
 def end_to_end(prompts, max_tokens: int, batch: int, ngram_ks, draft_ks) -> dict:
-    base = generate_timed(prompts, max_tokens, batch)
-    out = {"batch": batch, "num_prompts": len(prompts), "max_tokens": max_tokens, "baseline_tok_s": base["tok_s"]}
-    for method, ks in (("ngram", ngram_ks), ("draft_model", draft_ks)):
+    specs = {"baseline": None, **{("ngram", k): {"method": "ngram", "num_speculative_tokens": k} for k in ngram_ks},
+             **{("draft_model", k): {"method": "draft_model", "num_speculative_tokens": k} for k in draft_ks}}
+    rows = compare(prompts, max_tokens, batch, specs)
+    base = rows.pop("baseline")
+    out = {"batch": batch, "num_prompts": len(prompts), "max_tokens": max_tokens, "baseline_tok_s": base["tok_s"],
+           "baseline_tok_s_runs": base["tok_s_runs"]}
+    for method in ("ngram", "draft_model"):
         runs = []
-        for k in ks:
-            row = generate_timed(prompts, max_tokens, batch, {"method": method, "num_speculative_tokens": k})
-            row["same_output"] = row.pop("outputs") == base["outputs"]
-            row["speedup"] = round(row["tok_s"] / base["tok_s"], 3)
-            runs.append(row)
+        for (m, k), row in rows.items():
+            if m == method:
+                row["same_output"] = row.pop("outputs") == base["outputs"]
+                row["speedup"] = round(row["tok_s"] / base["tok_s"], 3)
+                runs.append(row)
         out[method] = max(runs, key=lambda r: r["tok_s"])
         out[f"{method}_by_k"] = runs
     return out
@@ -219,6 +252,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and few prompts (any device)")
+    parser.add_argument("--reuse", default=None, help="take sections 1's numbers from this earlier JSON")
     args = parser.parse_args()
     from common import save
     from kvlab.workloads.code_prompts import load_code_prompts
@@ -233,18 +267,25 @@ def main() -> None:
               flush=True)
         save("speculative" if not smoke else "speculative_smoke", result, args.out)
 
-    model = random_model(SHAPE_SMOKE if smoke else SHAPE_8B)
     batches, qs, context = ([1, 2], [1, 2, 6], 64) if smoke else ([1, 8, 32], list(range(1, 17)), 2048)
-    cost = verify_cost(model, batches, qs, context)
-    cost["model"] = "Llama-3-8B-shaped, random bf16" if not smoke else "smoke"
-    checkpoint("verify_cost", cost)
-    one, six = cost["step_ms"]["1"][qs.index(1)], cost["step_ms"]["1"][qs.index(6)]
-    checkpoint("verify_ratio_k5_b1", round(six / one, 4))
-    checkpoint("engine_step_b1_ms", {"q1": round(engine_step_ms(model, context, 1), 4),
-                                     "q6": round(engine_step_ms(model, context, 6), 4)})
-    del model
-    if profile.DEVICE == "cuda":
-        torch.cuda.empty_cache()
+    if args.reuse:
+        earlier = json.loads(Path(args.reuse).read_text())
+        for key in ("verify_cost", "verify_ratio_k5_b1", "engine_step_b1_ms"):
+            checkpoint(key, earlier[key])
+        result["verify_cost_date"] = earlier["date"]
+        cost = earlier["verify_cost"]
+    else:
+        model = random_model(SHAPE_SMOKE if smoke else SHAPE_8B)
+        cost = verify_cost(model, batches, qs, context)
+        cost["model"] = "Llama-3-8B-shaped, random bf16" if not smoke else "smoke"
+        checkpoint("verify_cost", cost)
+        one, six = cost["step_ms"]["1"][qs.index(1)], cost["step_ms"]["1"][qs.index(6)]
+        checkpoint("verify_ratio_k5_b1", round(six / one, 4))
+        checkpoint("engine_step_b1_ms", {"q1": round(engine_step_ms(model, context, 1), 4),
+                                         "q6": round(engine_step_ms(model, context, 6), 4)})
+        del model
+        if profile.DEVICE == "cuda":
+            torch.cuda.empty_cache()
 
     prompts = load_code_prompts()[:4 if smoke else 50]
     tokens = 16 if smoke else 128
@@ -259,10 +300,12 @@ def main() -> None:
     sweep = {"batch": [1, 4] if smoke else [1, 2, 4, 8, 16, 32], "ngram": [], "draft_model": []}
     k_ngram, k_draft = e2e["ngram"]["k"], e2e["draft_model"]["k"]
     for b in sweep["batch"]:
-        base = generate_timed(prompts, tokens // 2, b)["tok_s"]
-        for method, k in (("ngram", k_ngram), ("draft_model", k_draft)):
-            rate = generate_timed(prompts, tokens // 2, b, {"method": method, "num_speculative_tokens": k})["tok_s"]
-            sweep[method].append(round(rate / base, 3))
+        rows = compare(prompts, tokens // 2, b, {"none": None,
+                                                 "ngram": {"method": "ngram", "num_speculative_tokens": k_ngram},
+                                                 "draft_model": {"method": "draft_model",
+                                                                 "num_speculative_tokens": k_draft}}, repeats=1)
+        for method in ("ngram", "draft_model"):
+            sweep[method].append(round(rows[method]["tok_s"] / rows["none"]["tok_s"], 3))
     # the 8B-shaped model: tokens per step at the tiny pair's alpha / the step's cost ratio
     alpha = result["tiny_pair"]["alpha_k1"]
     k = 5

@@ -32,6 +32,8 @@ CHAPTERS = {
     "ch04": "Prefix caching",
     "ch05": "FlashAttention",
     "ch06": "FlashDecoding",
+    "ch07": "Speculative decoding",
+    "ch08": "Continuous batching",
 }
 
 

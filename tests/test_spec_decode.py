@@ -298,15 +298,33 @@ def test_uniform_verification_through_paged_decode_matches_the_reference():
     """The Triton backend verifies a small uniform step with paged_decode, one row per query."""
     from kvlab.models.backends import reference_backend, triton_backend
 
+    from kvlab import profile
+
     gen = torch.Generator().manual_seed(0)
     batch, q_len, heads, kv_heads, dim, block = 2, 3, 4, 2, 16, 4
-    seq_lens = torch.tensor([7, 11], dtype=torch.int32)
-    k_cache = torch.randn(8, block, kv_heads, dim, generator=gen)
-    v_cache = torch.randn(8, block, kv_heads, dim, generator=gen)
-    tables = torch.tensor([[3, 0, -1], [5, 1, 6]], dtype=torch.int32).clamp(min=0)
-    q = torch.randn(batch * q_len, heads, dim, generator=gen)
-    query_lens = torch.full((batch,), q_len, dtype=torch.int32)
+    on = lambda t: t.to(profile.DEVICE)  # noqa: E731
+    seq_lens = on(torch.tensor([7, 11], dtype=torch.int32))
+    k_cache = on(torch.randn(8, block, kv_heads, dim, generator=gen))
+    v_cache = on(torch.randn(8, block, kv_heads, dim, generator=gen))
+    tables = on(torch.tensor([[3, 0, 0], [5, 1, 6]], dtype=torch.int32))
+    q = on(torch.randn(batch * q_len, heads, dim, generator=gen))
+    query_lens = on(torch.full((batch,), q_len, dtype=torch.int32))
     got = triton_backend(q, k_cache, v_cache, tables, seq_lens, query_lens, 0.25, phase="uniform",
                          max_seq_len=11, max_query_len=q_len)
     want = reference_backend(q, k_cache, v_cache, tables, seq_lens, query_lens, 0.25)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=40), st.integers(1, 3), st.integers(0, 2), st.integers(1, 6))
+def test_the_proposers_index_gives_propose_ngrams_drafts(tokens, lookup_min, extra, k):
+    """NgramProposer's incremental index proposes what the plain scan does, step after step."""
+    from kvlab.engine.spec_decode import NgramProposer
+
+    class Seq:
+        seq_id, token_ids = 0, []
+
+    proposer = NgramProposer(SpeculativeConfig("ngram", k, lookup_min + extra, lookup_min))
+    for end in range(1, len(tokens) + 1):
+        Seq.token_ids = tokens[:end]
+        assert proposer.propose([Seq], [k])[0] == [propose_ngram(tokens[:end], k, lookup_min, lookup_min + extra)]

@@ -10,14 +10,18 @@ One concept per module: :mod:`~kvlab.engine.sampling_params` (what a request ask
 (continuous batching, preemption, forking), :mod:`~kvlab.engine.sampler` (logits to tokens),
 :mod:`~kvlab.engine.model_runner` (the model, the paged KV cache, one step),
 :mod:`~kvlab.engine.cuda_graphs` (decode steps replayed as CUDA graphs),
+:mod:`~kvlab.engine.spec_decode` (speculative decoding's proposers),
+:mod:`~kvlab.engine.rejection_sampler` (keeping drafts exactly),
 :mod:`~kvlab.engine.config` (every setting, checked once) and :mod:`~kvlab.engine.llm` (the
 front door).
 """
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.llm import LLM, CompletionOutput, RequestOutput
+from kvlab.engine.rejection_sampler import rejection_sample
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
-from kvlab.engine.sequence import Sequence, SequenceStatus
+from kvlab.engine.sequence import Sequence, SequenceStatus, SpecDecodeStats
+from kvlab.engine.spec_decode import SpeculativeConfig
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Scheduler", "SchedulerOutput",
-           "Sequence", "SequenceStatus"]
+           "Sequence", "SequenceStatus", "SpecDecodeStats", "SpeculativeConfig", "rejection_sample"]

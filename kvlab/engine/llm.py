@@ -346,8 +346,8 @@ class LLM:
             if self.rejection_sampler is rejection_sample and all(p.temperature < GREEDY_TEMPERATURE for p in params):
                 # greedy: the same result as rejection sampling, decided on the host from the
                 # target's choices (one copy from the device, no random numbers)
-                best = scores.max(dim=-1)
-                choices, lps = torch.stack((best.indices.double(), best.values - scores.logsumexp(dim=-1))).tolist()
+                best = scores.log_softmax(dim=-1).max(dim=-1)          # the choices and their logprobs
+                choices, lps = torch.stack((best.indices.double(), best.values.double())).tolist()
                 for s, choice, lp in zip(group, choices, lps):
                     tokens = greedy_accept(s.spec_token_ids, choice)
                     results[id(s)] = (tokens, lp[:len(tokens)])

@@ -6,10 +6,11 @@ Every step fills a token budget, ``max_num_batched_tokens``, in vLLM v1's order:
    speculative decoding: ``1 + k`` count against the budget); one still computing its prompt
    takes its next **chunk**: as many of its remaining prompt tokens as the budget (and
    ``long_prefill_token_threshold``) allow. If the pool has no block for it, the most recently
-   admitted running sequence is *preempted*: its blocks go back to the pool and it returns to
-   the front of the waiting queue, keeping its generated tokens, to be recomputed later as
-   prompt + output ("recompute" preemption, chunked like any prompt). A sequence that cannot
-   grow even when it is the only one left can never fit: it finishes with an error.
+   admitted running sequence is *preempted* (:meth:`Scheduler.preemption_victims`): its blocks
+   go back to the pool and it returns to the front of the waiting queue, keeping its generated
+   tokens, to be recomputed later as prompt + output ("recompute" preemption, chunked like any
+   prompt). A sequence that cannot grow even when it is the only one left can never fit: it
+   finishes with an error.
 2. **Waiting sequences are admitted**, first come first served, while ``max_num_seqs``, the
    budget and the pool's free blocks allow (but not in a step that had to preempt: memory is
    short). Its prefix-cache hit is looked up on the whole prompt first; then it computes its
@@ -155,6 +156,9 @@ class Scheduler:
         # speculative decoding: every running sequence may verify this many drafts per step,
         # so each counts 1 + num_lookahead_tokens tokens against the step's budget
         self.num_lookahead_tokens = check_count("num_lookahead_tokens", num_lookahead_tokens)
+        if max_num_batched_tokens < 1 + num_lookahead_tokens:
+            raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= 1 + num_lookahead_tokens "
+                             f"({1 + num_lookahead_tokens}): a speculating sequence verifies its drafts and one more")
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold     # 0: no cap
         self.max_num_partial_prefills = max_num_partial_prefills
@@ -190,7 +194,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         if self._overdue():          # the fairness rule: overdue prompts before the decodes
             budget = self._schedule_running(out, budget, prefills_only=True)
-            budget = self._schedule_waiting(out, budget, overdue_only=True)
+            if not out.preempted:
+                budget = self._schedule_waiting(out, budget, overdue_only=True)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -220,8 +225,9 @@ class Scheduler:
             seq = queue.popleft()
             decoding = seq.num_computed_tokens == seq.num_tokens - 1
             num_new = 1 if decoding else self._chunk(seq.num_tokens - seq.num_computed_tokens, budget)
+            cost = 1 + self.num_lookahead_tokens if decoding else num_new   # a decode's drafts come later
             if id(seq) in done or (prefills_only and (decoding or not self._is_overdue(seq))) \
-                    or num_new == 0 or budget < num_new:
+                    or num_new == 0 or budget < cost:
                 kept.append(seq)           # not this step
                 continue
             if not self._make_room(seq, num_new, queue, kept, out):
@@ -232,7 +238,7 @@ class Scheduler:
             item = ScheduledSequence(seq, start, num_new, is_prefill=not decoding)
             item.forks = list(seq.forks) if item.samples else []
             out.scheduled.append(item)
-            budget -= min(1 + self.num_lookahead_tokens, budget) if decoding else num_new
+            budget -= cost
         self.running = kept
         return budget
 
@@ -241,19 +247,35 @@ class Scheduler:
         if blocks_needed(seq.num_tokens, self.pool.block_size) > self.pool.num_blocks:
             self._fail(seq, self._too_big(seq), out)
             return False
+        if self.pool.can_append(seq.seq_id, num_new):
+            return True
         scheduled = {id(item.seq) for item in out.scheduled}
-        while not self.pool.can_append(seq.seq_id, num_new):
-            younger = [s for s in queue if id(s) not in scheduled]
-            if younger:                    # the most recently admitted sequence yields
-                queue.remove(younger[-1])
-                self._preempt(younger[-1], out)
-            elif kept or queue:            # seq is the youngest that can yield
-                self._preempt(seq, out)
-                return False
-            else:                          # alone, and still no room: it can never fit
-                self._fail(seq, self._too_big(seq), out)
-                return False
-        return True
+        younger = [s for s in queue if id(s) not in scheduled]
+        for victim in self.preemption_victims(seq, num_new, younger):
+            if victim is seq:
+                break
+            if victim not in younger:
+                raise ValueError(f"preemption_victims chose {victim!r}, not one of its candidates")
+            younger.remove(victim)
+            queue.remove(victim)
+            self._preempt(victim, out)
+            if self.pool.can_append(seq.seq_id, num_new):
+                return True
+        if kept or queue:                  # seq itself yields
+            self._preempt(seq, out)
+        else:                              # alone, and still no room: it can never fit
+            self._fail(seq, self._too_big(seq), out)
+        return False
+
+    def preemption_victims(self, seq: Sequence, num_new: int, candidates: list[Sequence]) -> list[Sequence]:
+        """Whom to preempt, in order, so that ``seq`` gets blocks for ``num_new`` more tokens.
+
+        ``candidates``: the running sequences admitted after ``seq`` whose turn in this step has
+        not come, oldest first. They are preempted in the order returned until ``seq`` fits; if
+        it still does not (or the list holds ``seq`` itself), ``seq`` yields, or fails if nothing
+        else runs. The rule: the most recently admitted first, so the oldest keep progressing.
+        A subclass may choose otherwise (chapter 8)."""
+        return candidates[::-1]
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, overdue_only: bool = False) -> int:
         """Admit waiting sequences in arrival order while sequences, tokens and blocks allow."""
@@ -445,6 +467,7 @@ class Scheduler:
             self.pool.fork(parent.seq_id, child.seq_id)
             child.num_computed_tokens = parent.num_computed_tokens
             child.num_cached_tokens = parent.num_cached_tokens
+            child.arrival_time = parent.arrival_time     # a preempted sample waits as its request did
             child.status = SequenceStatus.RUNNING
         self.running[at:at] = item.forks
         parent.forks = []

@@ -83,6 +83,8 @@ def propose_ngram(token_ids, num_speculative_tokens: int, prompt_lookup_min: int
     ``prompt_lookup_max .. prompt_lookup_min`` first; [] if no suffix occurs earlier."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     last = len(tokens) - 1
+    if last < 1:
+        return []
     ends = np.flatnonzero(tokens[:-1] == tokens[-1])      # earlier copies of the last token
     matched = np.ones(len(ends), dtype=np.int64)          # how far each copy's match reaches back
     alive = np.ones(len(ends), dtype=bool)
@@ -98,23 +100,46 @@ def propose_ngram(token_ids, num_speculative_tokens: int, prompt_lookup_min: int
 
 
 class NgramProposer:
-    """Drafts from the sequence's own tokens (no model, no cache, deterministic)."""
+    """Drafts from the sequence's own tokens (no model, no cache, deterministic).
+
+    The same drafts as :func:`propose_ngram`, from an index kept per sequence and grown with
+    its tokens (every n-gram, n <= ``prompt_lookup_max``, mapped to where it last ended), so a
+    step looks its suffixes up instead of scanning the whole sequence.
+    """
 
     def __init__(self, config: SpeculativeConfig):
         self.config = config
+        self.index: dict[int, tuple[int, dict]] = {}    # seq_id -> (tokens indexed, n-gram -> end)
 
     def propose(self, seqs, room: list[int]):
         """``(drafts per sequence, None)``: at most ``room[i]`` drafts for ``seqs[i]``; None
         because deterministic drafts have one-hot probabilities."""
-        c = self.config
-        return [propose_ngram(s.token_ids, min(r, c.num_speculative_tokens), c.prompt_lookup_min,
-                              c.prompt_lookup_max) for s, r in zip(seqs, room)], None
+        return [self._propose(s, min(r, self.config.num_speculative_tokens)) for s, r in zip(seqs, room)], None
+
+    def _propose(self, seq, k: int) -> list[int]:
+        tokens, c = seq.token_ids, self.config
+        ends = self._grow(seq.seq_id, tokens)
+        for n in range(min(c.prompt_lookup_max, len(tokens) - 1), c.prompt_lookup_min - 1, -1):
+            end = ends.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end + 1:end + 1 + k]
+        return []
+
+    def _grow(self, seq_id, tokens) -> dict:
+        """Index the n-grams ending before the last token (each is followed by one at least)."""
+        done, ends = self.index.get(seq_id, (0, {}))
+        for end in range(done, len(tokens) - 1):
+            for n in range(1, min(self.config.prompt_lookup_max, end + 1) + 1):
+                ends[tuple(tokens[end - n + 1:end + 1])] = end
+        self.index[seq_id] = (max(done, len(tokens) - 1), ends)
+        return ends
 
     def rollback(self, seq) -> None:
         pass
 
     def forget(self, seq_ids) -> None:
-        pass
+        for seq_id in seq_ids:
+            self.index.pop(seq_id, None)
 
 
 class DraftModelProposer:

@@ -1,7 +1,7 @@
 """Step through a list of precomputed frames: a widget, and a static strip for plain renderers.
 
 Both take ``frames`` (any objects) and ``draw(frame) -> matplotlib Figure``. The frames are
-computed beforehand by tested pure functions (e.g. :func:`kvlab.paging.trace.replay`); the
+computed beforehand by tested pure functions (e.g. :func:`kvlab.workloads.allocator_trace.replay`); the
 widget only redraws the one the slider points at.
 """
 from __future__ import annotations
