@@ -1,6 +1,7 @@
 """Small helpers shared by several test files (imported as ``from helpers import ...``)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import event
 from hypothesis import strategies as st
@@ -171,3 +172,13 @@ class PoolMachineHelpers:
         if room < 2 * bs + 1:
             sizes = sizes | st.integers(room + 1, room + 3)
         return data.draw(sizes, label="n")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices: torch's intra-op threads cost more than they save (much more on 2 cores).
+    Import it into a test module (``from helpers import one_thread``) to use it there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

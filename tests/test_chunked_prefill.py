@@ -6,14 +6,10 @@ import torch
 import kvlab
 from kvlab.engine import SamplingParams
 from kvlab.workloads.code_prompts import load_code_prompts
+from helpers import one_thread  # noqa: F401  (a fixture)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def LLM(**kwargs):      # noqa: N802  (float32 and a fixed cache, on any device)
@@ -34,6 +30,23 @@ def unchunked(prompts):
                                                        use_tqdm=False)]
 
 
+def step_through(llm, prompts, check_step) -> dict:
+    """Serve ``prompts`` greedily one step at a time, calling ``check_step(last_schedule)`` after
+    each; the final output of every request, by id."""
+    for p in prompts:
+        llm.add_request(p, SamplingParams(temperature=0, max_tokens=12))
+    outs = {}
+    while llm.has_unfinished_requests():
+        for o in llm.step():
+            outs[o.request_id] = o
+        check_step(llm.last_schedule)
+    return outs
+
+
+def tokens(outs) -> list:
+    return [outs[str(i)].outputs[0].token_ids for i in range(len(outs))]
+
+
 @pytest.mark.parametrize("budget, caching, blocks", [
     (16, False, 512),        # one block per step: every prompt in many chunks
     (64, True, 512),         # prefix caching: the fourth prompt starts with the first's blocks
@@ -44,16 +57,13 @@ def test_greedy_tokens_do_not_depend_on_chunking(prompts, unchunked, budget, cac
     longest = max(len(llm.tokenizer.encode(p).ids) for p in prompts)
     assert longest > budget
     chunks = []
-    for p in prompts:
-        llm.add_request(p, SamplingParams(temperature=0, max_tokens=12))
-    outs = {}
-    while llm.has_unfinished_requests():
-        for o in llm.step():
-            outs[o.request_id] = o
-        s = llm.last_schedule
+
+    def check_step(s):
         assert s.num_batched_tokens <= budget
-        chunks += [item.num_new for item in s.scheduled if item.is_prefill]
-    assert [outs[str(i)].outputs[0].token_ids for i in range(len(prompts))] == unchunked
+        chunks.extend(item.num_new for item in s.scheduled if item.is_prefill)
+
+    outs = step_through(llm, prompts, check_step)
+    assert tokens(outs) == unchunked
     assert max(chunks) <= budget and len(chunks) > len(prompts)
     if blocks < 100:
         assert llm.scheduler.num_preemptions > 0
@@ -65,16 +75,13 @@ def test_greedy_tokens_do_not_depend_on_chunking(prompts, unchunked, budget, cac
 def test_long_prefill_threshold_and_partial_prefills(prompts, unchunked):
     llm = LLM(max_num_seqs=4, max_num_batched_tokens=256, long_prefill_token_threshold=32,
               max_num_partial_prefills=2)
-    for p in prompts:
-        llm.add_request(p, SamplingParams(temperature=0, max_tokens=12))
-    outs = {}
-    while llm.has_unfinished_requests():
-        for o in llm.step():
-            outs[o.request_id] = o
-        prefills = [item for item in llm.last_schedule.scheduled if item.is_prefill]
+
+    def check_step(s):
+        prefills = [item for item in s.scheduled if item.is_prefill]
         assert all(item.num_new <= 32 for item in prefills)
         assert sum(not item.samples for item in prefills) <= 2
-    assert [outs[str(i)].outputs[0].token_ids for i in range(len(prompts))] == unchunked
+
+    assert tokens(step_through(llm, prompts, check_step)) == unchunked
 
 
 def test_chunking_with_speculation(prompts, unchunked):

@@ -10,19 +10,14 @@ import kvlab  # noqa: F401  (profile first)
 from helpers import tiny_tokenizer
 from kvlab.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
 from kvlab.models import LlamaForCausalLM, ModelConfig, load_model, register_attention_backend, save_model
+from helpers import one_thread  # noqa: F401  (a fixture)
 
 BLOCK = 8
 PROBE = [5, 17, 42]          # a prompt whose greedy continuation the fixture looks at
 GREEDY = SamplingParams(temperature=0, max_tokens=10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matrices: torch's intra-op threads cost more than they save (much more on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(vocab_size: int) -> LlamaForCausalLM:

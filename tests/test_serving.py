@@ -19,19 +19,11 @@ from kvlab.paging import BlockPool
 from kvlab.workloads.serving import (LengthMix, RequestTiming, ServingRequest, StepCostModel, StepFeatures,
                                      StepRecord, poisson_trace, replay_realtime, scheduler_factory_like, simulate,
                                      summarize)
+from helpers import one_thread  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = LengthMix().scaled(1 / 16)              # chats of 3-62 tokens, long prompts of 512-1024
 COST = StepCostModel(c0=0.01, c_prefill=2e-5, c_decode=1e-4, c_kv=1e-7)
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matrices: torch's intra-op threads cost more than they save (much more on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # -- the trace ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from kvlab.engine.spec_decode import SpeculativeConfig, propose_ngram
 from kvlab.models import LlamaForCausalLM, ModelConfig
 from kvlab.paging import BlockPool
 from kvlab.paging.prefix_hash import hash_blocks
+from helpers import one_thread  # noqa: F401  (a fixture)
 
 CHI2_999 = {3: 16.27, 4: 18.47, 5: 20.52, 7: 24.32}     # chi-square critical values at p = 0.001
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
@@ -27,12 +28,7 @@ def LLM(*args, **kwargs):      # noqa: N802
     return kvlab.LLM(*args, dtype="float32", **kwargs)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- rejection sampling ------------------------------------------------------------------------

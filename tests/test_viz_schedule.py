@@ -68,18 +68,11 @@ from kvlab.workloads.serving import (  # noqa: E402
     poisson_trace,
     simulate,
 )
+from helpers import one_thread  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = LengthMix().scaled(1 / 16)          # chats of 3-62 tokens, long prompts of 512-1024
 COST = StepCostModel(c0=0.01, c_prefill=2e-5, c_decode=1e-4, c_kv=1e-7, c_prefill_attn=1e-9)
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def prompts(lengths, seed=0):

@@ -42,6 +42,7 @@ from kvlab.workloads.speculation import (  # noqa: E402
     seed_pseudo_code,
     verify_roofline,
 )
+from helpers import one_thread  # noqa: F401  (a fixture)
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef sub(a, b):"
 PAYLOAD = {
@@ -59,12 +60,7 @@ PAYLOAD = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- formulas ----------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from kvlab.engine.spec_decode import propose_ngram as kvlab_propose_ngram
 from kvlab.errors import OutOfBlocksError, UnknownSequenceError
 from kvlab.paging import BlockPool, blocks_needed
 from kvlab.paging.prefix_hash import hash_blocks
+from helpers import one_thread  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.ch07
 
@@ -568,15 +569,6 @@ def test_random_workload_matches_kvlab(ch07, caching, block_size, ops):
 
 # -- the engine ------------------------------------------------------------------------------
 PROMPTS = ["def add(a, b):", "import os\nimport sys\n", "for i in range(10):\n    for j in range(10):\n"]
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matrices: torch's intra-op threads cost more than they save (much more on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from kvlab.engine.sequence import Sequence
 from kvlab.paging import BlockPool
 from kvlab.scaffold.ch08 import RunningRequest, RunningSeq, Scheduled, WaitingRequest
 from kvlab.workloads.serving import LengthMix, StepCostModel, poisson_trace, simulate
+from helpers import one_thread  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.ch08
 
@@ -228,15 +229,6 @@ def test_your_rule_in_the_engines_scheduler(ch08, seed):
 
 
 PROMPT_CHARS = (200, 120, 260, 160, 90)
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny matrices: torch's intra-op threads cost more than they save (much more on 2 cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def small_engine():
