@@ -22,7 +22,7 @@ Poisson request trace replayed in real time.
   waited behind a long prefill"), preemptions.
 * A :class:`~kvlab.workloads.serving.StepCostModel` fitted on the continuous run's steps, its
   relative error on every run's steps, and every configuration replayed in virtual time with
-  it (:func:`~kvlab.workloads.serving.simulate`), beside the measured numbers.
+  it (:func:`~kvlab.workloads.replay.simulate`), beside the measured numbers.
 """
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ import torch  # noqa: E402
 
 import kvlab  # noqa: E402,F401
 from common import print_table, save  # noqa: E402
-from kvlab.workloads.serving import (LONG_PREFILL_TOKENS, LengthMix, StepCostModel, poisson_trace,  # noqa: E402
-                                     replay_realtime, scheduler_factory_like, simulate)
+from kvlab.workloads.replay import replay_realtime, scheduler_factory_like, simulate  # noqa: E402
+from kvlab.workloads.serving import LONG_PREFILL_TOKENS, LengthMix, StepCostModel, poisson_trace  # noqa: E402
 
 CONTEXT = 32768                      # Llama 3.1's context: 16K prompts fit
 RESULTS = Path(__file__).resolve().parent / "results"

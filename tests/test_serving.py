@@ -16,9 +16,9 @@ from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence
 from kvlab.paging import BlockPool
+from kvlab.workloads.replay import replay_realtime, scheduler_factory_like, simulate
 from kvlab.workloads.serving import (LengthMix, RequestTiming, ServingRequest, StepCostModel, StepFeatures,
-                                     StepRecord, poisson_trace, replay_realtime, scheduler_factory_like, simulate,
-                                     summarize)
+                                     StepRecord, poisson_trace, summarize)
 from helpers import one_thread  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -66,8 +66,8 @@ from kvlab.workloads.serving import (  # noqa: E402
     ServingRequest,
     StepCostModel,
     poisson_trace,
-    simulate,
 )
+from kvlab.workloads.replay import simulate  # noqa: E402
 from helpers import one_thread  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent

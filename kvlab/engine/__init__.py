@@ -12,7 +12,8 @@ One concept per module: :mod:`~kvlab.engine.sampling_params` (what a request ask
 :mod:`~kvlab.engine.cuda_graphs` (decode steps replayed as CUDA graphs),
 :mod:`~kvlab.engine.spec_decode` (speculative decoding's proposers),
 :mod:`~kvlab.engine.rejection_sampler` (keeping drafts exactly),
-:mod:`~kvlab.engine.config` (every setting, checked once) and :mod:`~kvlab.engine.llm` (the
+:mod:`~kvlab.engine.config` (every setting, checked once), :mod:`~kvlab.engine.inputs` and
+:mod:`~kvlab.engine.outputs` (what goes in and comes out) and :mod:`~kvlab.engine.llm` (the
 front door).
 """
 from kvlab.engine.config import EngineConfig

@@ -37,47 +37,20 @@ import torch
 from kvlab import profile
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.detokenizer import detokenize
+from kvlab.engine.inputs import params_per_prompt, prompt_item, prompt_items
 from kvlab.engine.model_runner import ModelRunner, block_bytes
-from kvlab.engine.rejection_sampler import greedy_accept, rejection_sample
-from kvlab.engine.sampler import GREEDY_TEMPERATURE, sample, sampling_probs
+from kvlab.engine.outputs import CompletionOutput, RequestOutput
+from kvlab.engine.rejection_sampler import rejection_sample
+from kvlab.engine.sampler import sample
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence, SpecDecodeStats
-from kvlab.engine.spec_decode import DEFAULT_DRAFT_MODEL, DraftModelProposer, NgramProposer
+from kvlab.engine.spec_decode import (DEFAULT_DRAFT_MODEL, DraftModelProposer, NgramProposer, propose_drafts,
+                                      record_verification, verify_drafts)
 from kvlab.paging.block_pool import BlockPool, blocks_needed
 from kvlab.paging.prefix_hash import check_salt
 
 DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "models" / "weights" / "kvlab-tiny-target"
-
-
-# -- what generate returns (vLLM's names) ------------------------------------------------------
-@dataclass
-class CompletionOutput:
-    """One sample of a request: its text and tokens, and why it ended."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None = None
-    finish_reason: str | None = None      # "stop", "length", "error"; None while running
-    stop_reason: int | str | None = None  # the stop string or stop token id, if one ended it
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """A request's prompt and its ``n`` samples; ``error`` says why it could not be served."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int] | None
-    outputs: list[CompletionOutput]
-    finished: bool
-    error: str | None = None
-    num_cached_tokens: int = 0            # prompt tokens found in the prefix cache
-    spec_decode_stats: SpecDecodeStats | None = None   # drafts proposed and kept, with speculation
 
 
 @dataclass
@@ -220,8 +193,8 @@ class LLM:
         Requests queued earlier with :meth:`add_request` run alongside; their outputs are not
         returned here but by the next :meth:`step`.
         """
-        items = _prompt_items(prompts, prompt_token_ids)
-        params = _params_per_prompt(sampling_params, len(items))
+        items = prompt_items(prompts, prompt_token_ids)
+        params = params_per_prompt(sampling_params, len(items))
         requests = [self._build_request(item, p) for item, p in zip(items, params)]
         results = {r.request_id: self._output(r) for r in requests if r.error}
         for r in requests:
@@ -242,7 +215,7 @@ class LLM:
     def add_request(self, prompt, sampling_params: SamplingParams | None = None, request_id: str | None = None) -> str:
         """Queue one request (it runs on the following :meth:`step` calls); returns its id.
         Raises ValueError if the request cannot be served."""
-        request = self._build_request(_prompt_item(prompt), sampling_params or SamplingParams(), request_id)
+        request = self._build_request(prompt_item(prompt), sampling_params or SamplingParams(), request_id)
         if request.error:
             raise request.exception
         self._enqueue(request)
@@ -282,7 +255,8 @@ class LLM:
         ended = list(out.finished)
         if out.scheduled:
             try:
-                draft_probs = self._propose(out) if self.proposer else None
+                draft_probs = propose_drafts(self.proposer, self.scheduler, out, self.max_model_len) \
+                    if self.proposer else None
                 logits = self.model_runner.compute_logits(out)
                 tokens, logprobs = self._sample(out, logits, draft_probs)
             except Exception as e:       # noqa: BLE001  (a failed step ends its requests, not the engine)
@@ -320,7 +294,7 @@ class LLM:
         if plain:
             for i, t, lp in zip(plain, *self._sample_rows(logits[plain_rows], [samples[i] for i in plain])):
                 tokens[i], logprobs[i] = [t], [lp]
-        for item, (t, lp) in zip(verifying, self._verify(out, logits, verifying, draft_probs)):
+        for item, (t, lp) in zip(verifying, verify_drafts(out, logits, draft_probs, self.rejection_sampler)):
             tokens[where[id(item.seq)]], logprobs[where[id(item.seq)]] = t, lp
         return tokens, logprobs
 
@@ -330,67 +304,10 @@ class LLM:
                                [p.top_p for p in params], [s.generator for s in seqs])
         return sampled.tolist()
 
-    def _verify(self, out, logits, items, draft_probs) -> list[tuple[list[int], list[float]]]:
-        """Rejection sampling for the sequences that verify drafts: ``(tokens, logprobs)`` each."""
-        results = {}
-        starts = itertools.accumulate([s.num_logits + len(s.forks) for s in out.scheduled], initial=0)
-        start_of = {id(s): r for s, r in zip(out.scheduled, starts)}
-        for k in sorted({len(s.spec_token_ids) for s in items}):      # one group unless near max_model_len
-            group = [s for s in items if len(s.spec_token_ids) == k]
-            if len(group) * (k + 1) == len(logits):                     # the whole step: no gather
-                scores = logits.view(len(group), k + 1, -1)
-            else:
-                index = [start_of[id(s)] + j for s in group for j in range(k + 1)]
-                scores = logits[torch.tensor(index, device=logits.device)].view(len(group), k + 1, -1)
-            params = [s.seq.params for s in group]
-            if self.rejection_sampler is rejection_sample and all(p.temperature < GREEDY_TEMPERATURE for p in params):
-                # greedy: the same result as rejection sampling, decided on the host from the
-                # target's choices (one copy from the device, no random numbers)
-                best = scores.log_softmax(dim=-1).max(dim=-1)          # the choices and their logprobs
-                choices, lps = torch.stack((best.indices.double(), best.values.double())).tolist()
-                for s, choice, lp in zip(group, choices, lps):
-                    tokens = greedy_accept(s.spec_token_ids, choice)
-                    results[id(s)] = (tokens, lp[:len(tokens)])
-                continue
-            rep = lambda values: [v for v in values for _ in range(k + 1)]  # noqa: E731
-            target = sampling_probs(scores.flatten(0, 1), rep([p.temperature for p in params]),
-                                    rep([p.top_k for p in params]), rep([p.top_p for p in params]))
-            q = None if draft_probs is None else draft_probs[[self._draft_row[id(s)] for s in group], :k]
-            drafts = torch.tensor([s.spec_token_ids for s in group], device=logits.device)
-            emitted = self.rejection_sampler(drafts, q, target.view(len(group), k + 1, -1),
-                                             [s.seq.generator for s in group])
-            lps = scores.log_softmax(dim=-1).gather(2, emitted.clamp(min=0)[..., None]).squeeze(2)
-            for s, t_row, lp_row in zip(group, *torch.stack((emitted.double(), lps.double())).tolist()):
-                n = sum(t >= 0 for t in t_row)
-                results[id(s)] = ([int(t) for t in t_row[:n]], lp_row[:n])
-        return [results[id(s)] for s in items]
-
-    def _propose(self, out):
-        """Drafts for every decoding sequence of the step, booked in the pool (padded with -1 up
-        to k, so that the step stays uniform: k + 1 tokens per sequence, a CUDA graph on a GPU).
-        Returns the draft model's probabilities (None for n-gram drafts)."""
-        items = [s for s in out.scheduled if not s.is_prefill]
-        if not items:
-            return None
-        k = self.engine_config.speculative_config.num_speculative_tokens
-        room = [max(0, min(k, self.max_model_len - s.seq.num_tokens)) for s in items]
-        drafts, probs = self.proposer.propose([s.seq for s in items], room)
-        self._draft_row = {id(s): i for i, s in enumerate(items)}
-        if any(drafts):
-            for item, d, r in zip(items, drafts, room):
-                if r:
-                    self.scheduler.add_draft_tokens(out, item, d + [-1] * (r - len(d)))
-        return probs
-
     def _after_verification(self, out, tokens) -> None:
         """Roll the draft's cache back to what was kept; count drafts proposed and kept."""
-        if self.proposer is None:
-            return
-        emitted = {id(seq): t for seq, t in zip(out.sample_seqs, tokens)}
-        for item in out.scheduled:
-            if item.spec_token_ids:
-                self.proposer.rollback(item.seq)
-                self.spec_decode_stats.record(item.spec_token_ids, len(emitted[id(item.seq)]) - 1)
+        if self.proposer is not None:
+            record_verification(out, tokens, self.proposer, self.spec_decode_stats)
 
     def _forget_drafts(self, seqs) -> None:
         if self.proposer is not None:
@@ -527,55 +444,6 @@ def _load(model, tokenizer, dtype, device):
         model = DEFAULT_MODEL
     loaded, loaded_tokenizer, _ = load_model(model, dtype=dtype, device=device, require_tokenizer=False)
     return loaded, tokenizer if tokenizer is not None else loaded_tokenizer
-
-
-def _is_token_list(x) -> bool:
-    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def _prompt_item(p):
-    """One prompt as ``(kind, value, cache_salt)``: ``("text", str, salt)``, ``("ids", list, salt)``
-    or ``("bad", p, None)``."""
-    kind, value = _prompt_kind(p)
-    return kind, value, p.get("cache_salt") if isinstance(p, dict) else None
-
-
-def _prompt_kind(p):
-    if isinstance(p, str):
-        return ("text", p)
-    if isinstance(p, dict):
-        if "prompt_token_ids" in p:
-            return _prompt_kind(list(p["prompt_token_ids"])) if _is_token_list(p["prompt_token_ids"]) else ("bad", p)
-        if "prompt" in p:
-            return _prompt_kind(p["prompt"])
-    if isinstance(p, (list, tuple)) and all(not isinstance(t, (list, tuple, str, dict)) for t in p):
-        return ("ids", list(p))          # ids are checked against the vocabulary later
-    return ("bad", p)
-
-
-def _prompt_items(prompts, prompt_token_ids) -> list:
-    if prompts is not None and prompt_token_ids is not None:
-        raise ValueError("pass prompts or prompt_token_ids, not both")
-    if prompt_token_ids is not None:
-        if _is_token_list(prompt_token_ids) and prompt_token_ids:
-            return [("ids", list(prompt_token_ids))]
-        return [_prompt_item(list(p)) if isinstance(p, (list, tuple)) else ("bad", p, None) for p in prompt_token_ids]
-    if prompts is None:
-        raise ValueError("generate needs prompts (or prompt_token_ids)")
-    if isinstance(prompts, (str, dict)) or (_is_token_list(prompts) and prompts):
-        return [_prompt_item(prompts)]
-    return [_prompt_item(p) for p in prompts]
-
-
-def _params_per_prompt(sampling_params, num_prompts: int) -> list:
-    if sampling_params is None:
-        sampling_params = SamplingParams()
-    if isinstance(sampling_params, (list, tuple)):
-        if len(sampling_params) != num_prompts:
-            raise ValueError(f"{len(sampling_params)} sampling_params for {num_prompts} prompts: give one, "
-                             f"or one per prompt")
-        return list(sampling_params)
-    return [sampling_params] * num_prompts
 
 
 def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:

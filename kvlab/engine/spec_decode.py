@@ -24,12 +24,14 @@ cut back the same way, to the tokens it fed that the sequence kept.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvlab.engine.rejection_sampler import greedy_accept, rejection_sample
 from kvlab.engine.sampler import GREEDY_TEMPERATURE, sampling_probs
 from kvlab.errors import OutOfBlocksError
 from kvlab.paging.block_pool import BlockPool
@@ -73,6 +75,74 @@ class SpeculativeConfig:
         if spec.method == "ngram" and spec.model is not None:
             raise ValueError("speculative_config: the ngram method uses no model; drop 'model'")
         return spec
+
+
+# -- a speculative step, around the forward pass -------------------------------------------------
+def propose_drafts(proposer, scheduler, out, max_model_len: int):
+    """Drafts for every decoding sequence of step ``out``, booked in the pool with
+    ``scheduler.add_draft_tokens`` and padded with -1 up to k, so that the step stays uniform
+    (k + 1 tokens per sequence: a CUDA graph on a GPU). Returns the proposer's probabilities,
+    a row per decoding sequence in step order (None for deterministic drafts)."""
+    items = [s for s in out.scheduled if not s.is_prefill]
+    if not items:
+        return None
+    k = scheduler.num_lookahead_tokens
+    room = [max(0, min(k, max_model_len - s.seq.num_tokens)) for s in items]
+    drafts, probs = proposer.propose([s.seq for s in items], room)
+    if any(drafts):
+        for item, d, r in zip(items, drafts, room):
+            if r:
+                scheduler.add_draft_tokens(out, item, d + [-1] * (r - len(d)))
+    return probs
+
+
+def verify_drafts(out, logits, draft_probs, rejection_sampler=rejection_sample) -> list[tuple[list[int], list[float]]]:
+    """Rejection sampling for step ``out``'s sequences that verify drafts (in step order):
+    ``(tokens, logprobs)`` each. ``logits`` are the step's rows (``ScheduledSequence.num_logits``
+    per sequence), ``draft_probs`` what :func:`propose_drafts` returned."""
+    starts = itertools.accumulate([s.num_logits + len(s.forks) for s in out.scheduled], initial=0)
+    start_of = {id(s): r for s, r in zip(out.scheduled, starts)}
+    draft_row = {id(s): i for i, s in enumerate(s for s in out.scheduled if not s.is_prefill)}
+    items = [s for s in out.scheduled if s.spec_token_ids]
+    results = {}
+    for k in sorted({len(s.spec_token_ids) for s in items}):      # one group unless near max_model_len
+        group = [s for s in items if len(s.spec_token_ids) == k]
+        if len(group) * (k + 1) == len(logits):                     # the whole step: no gather
+            scores = logits.view(len(group), k + 1, -1)
+        else:
+            index = [start_of[id(s)] + j for s in group for j in range(k + 1)]
+            scores = logits[torch.tensor(index, device=logits.device)].view(len(group), k + 1, -1)
+        params = [s.seq.params for s in group]
+        if rejection_sampler is rejection_sample and all(p.temperature < GREEDY_TEMPERATURE for p in params):
+            # greedy: the same result as rejection sampling, decided on the host from the
+            # target's choices (one copy from the device, no random numbers)
+            best = scores.log_softmax(dim=-1).max(dim=-1)          # the choices and their logprobs
+            choices, lps = torch.stack((best.indices.double(), best.values.double())).tolist()
+            for s, choice, lp in zip(group, choices, lps):
+                tokens = greedy_accept(s.spec_token_ids, choice)
+                results[id(s)] = (tokens, lp[:len(tokens)])
+            continue
+        rep = lambda values: [v for v in values for _ in range(k + 1)]  # noqa: E731
+        target = sampling_probs(scores.flatten(0, 1), rep([p.temperature for p in params]),
+                                rep([p.top_k for p in params]), rep([p.top_p for p in params]))
+        q = None if draft_probs is None else draft_probs[[draft_row[id(s)] for s in group], :k]
+        drafts = torch.tensor([s.spec_token_ids for s in group], device=logits.device)
+        emitted = rejection_sampler(drafts, q, target.view(len(group), k + 1, -1), [s.seq.generator for s in group])
+        lps = scores.log_softmax(dim=-1).gather(2, emitted.clamp(min=0)[..., None]).squeeze(2)
+        for s, t_row, lp_row in zip(group, *torch.stack((emitted.double(), lps.double())).tolist()):
+            n = sum(t >= 0 for t in t_row)
+            results[id(s)] = ([int(t) for t in t_row[:n]], lp_row[:n])
+    return [results[id(s)] for s in items]
+
+
+def record_verification(out, tokens, proposer, stats) -> None:
+    """After ``scheduler.update``: roll each verifying sequence's draft cache back to what was
+    kept, and count its drafts proposed and kept in ``stats``."""
+    emitted = {id(seq): t for seq, t in zip(out.sample_seqs, tokens)}
+    for item in out.scheduled:
+        if item.spec_token_ids:
+            proposer.rollback(item.seq)
+            stats.record(item.spec_token_ids, len(emitted[id(item.seq)]) - 1)
 
 
 # -- n-gram (prompt lookup) ----------------------------------------------------------------------

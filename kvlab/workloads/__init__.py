@@ -7,7 +7,9 @@
 * ``attention_memory``: the score matrix of naive attention, computed and measured (chapter 5);
 * ``speculation``: speculative decoding's arithmetic, sampler exactness and acceptance (chapter 7);
 * ``code_prompts``: the held-out code prompts chapter 7 times speculative decoding on;
-* ``serving``: request traces, TTFT/ITL metrics and the step-cost replay of chapter 8.
+* ``serving``: request traces, TTFT/ITL metrics and the step-cost model (chapter 8);
+* ``replay``: a trace replayed on the real scheduler in virtual time, or on an engine (chapter 8);
+* ``batching``: chapter 8's recorded schedules and experiment replays, for its figures.
 
 Import the module you need (``from kvlab.workloads.prefix import run_workload``); nothing is
 imported here.

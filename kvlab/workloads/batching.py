@@ -6,7 +6,7 @@ serving experiment replayed in virtual time.
   the token budget, preemptions, who waited, and the page map after the step;
 * :func:`replay` does the same for a request trace on a bare scheduler and block pool, in
   virtual time: each step lasts what a :class:`~kvlab.workloads.serving.StepCostModel` says.
-  Unlike :func:`~kvlab.workloads.serving.simulate` (the same replay, the same numbers) it keeps
+  Unlike :func:`~kvlab.workloads.replay.simulate` (the same replay, the same numbers) it keeps
   every step, and the scheduler's clock is the virtual one, so ``prefill_priority_after`` (the
   fairness rule) acts in replay time;
 * :func:`serving_replay` runs chapter 8's configurations (static, continuous, chunked with
@@ -290,7 +290,7 @@ def replay(trace, make_scheduler, cost_model: StepCostModel, *, num_blocks: int,
     """Replay ``trace`` (:class:`~kvlab.workloads.serving.ServingRequest` s) on
     ``make_scheduler(pool)`` over a fresh :class:`BlockPool`, in virtual time, keeping every step.
 
-    The rules are :func:`~kvlab.workloads.serving.simulate`'s (same steps, same timings): a
+    The rules are :func:`~kvlab.workloads.replay.simulate`'s (same steps, same timings): a
     request joins once the clock passes its arrival; a step lasts ``cost_model.predict`` of what
     it computes; a token's time is the end of its step; an idle engine jumps to the next
     arrival; ``static``: arrived requests wait until the engine is idle, then join together, at

@@ -12,7 +12,8 @@ from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence
 from kvlab.paging import BlockPool
 from kvlab.scaffold.ch08 import RunningRequest, RunningSeq, Scheduled, WaitingRequest
-from kvlab.workloads.serving import LengthMix, StepCostModel, poisson_trace, simulate
+from kvlab.workloads.replay import simulate
+from kvlab.workloads.serving import LengthMix, StepCostModel, poisson_trace
 from helpers import one_thread  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.ch08
