@@ -216,3 +216,18 @@ def test_text_table():
     table = acc.text_table(["a", "bb"], [[1, 2], [333, 4]])
     assert table.splitlines() == ["  a  bb", "---  --", "  1   2", "333   4"]
     assert acc.text_table(["a", "bb"], [[1, 2]], align="lr").splitlines() == ["a  bb", "-  --", "1   2"]
+
+
+def test_the_runnable_config_and_the_memory_spec_read_one_shape():
+    """ModelConfig.spec() (the engine's view) equals what chapter 1's reader makes of the same
+    config.json, for both shipped models."""
+    import json
+
+    from kvlab.engine.llm import DEFAULT_MODEL
+    from kvlab.models import ModelConfig
+
+    for folder in (DEFAULT_MODEL, DEFAULT_MODEL.parent / "kvlab-tiny-draft"):
+        raw = json.loads((folder / "config.json").read_text())
+        got = ModelConfig.from_hf(raw).spec()
+        want = acc.spec_from_hf_config(raw, name=got.name)
+        assert got == want

@@ -30,7 +30,7 @@ import itertools
 
 import torch
 
-from kvlab.accounting import ModelSpec, kv_bytes_per_token
+from kvlab.accounting import kv_bytes_per_token
 from kvlab.engine.cuda_graphs import CudaGraphs
 from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.models.backends import get_attention_backend
@@ -43,9 +43,7 @@ CPU_KV_CACHE_BYTES = 1 << 30  # the most memory the KV cache takes on the CPU by
 
 def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one block: K and V of ``block_size`` tokens in every layer (chapter 1's formula)."""
-    spec = ModelSpec(config.architecture, config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim,
-                     config.hidden_size, config.intermediate_size, config.vocab_size)
-    return block_size * kv_bytes_per_token(spec, str(dtype).removeprefix("torch."))
+    return block_size * kv_bytes_per_token(config.spec(), str(dtype).removeprefix("torch."))
 
 
 def pick_attention_backend(backend, device: torch.device):

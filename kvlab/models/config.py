@@ -102,6 +102,15 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
+    def spec(self):
+        """The same shape as chapter 1's :class:`kvlab.accounting.ModelSpec` (what memory
+        accounting reads): one shape, two views."""
+        from kvlab.accounting import ModelSpec
+
+        return ModelSpec(self.architecture, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
+                         self.hidden_size, self.intermediate_size, self.vocab_size, self.tie_word_embeddings,
+                         self.max_position_embeddings)
+
     @property
     def eos_token_ids(self) -> list[int]:
         if self.eos_token_id is None:
