@@ -5,10 +5,9 @@ serving experiment replayed in virtual time.
   and keeps, per step, which requests computed prompt chunks (and how many tokens) or decoded,
   the token budget, preemptions, who waited, and the page map after the step;
 * :func:`replay` does the same for a request trace on a bare scheduler and block pool, in
-  virtual time: each step lasts what a :class:`~kvlab.workloads.serving.StepCostModel` says.
-  Unlike :func:`~kvlab.workloads.replay.simulate` (the same replay, the same numbers) it keeps
-  every step, and the scheduler's clock is the virtual one, so ``prefill_priority_after`` (the
-  fairness rule) acts in replay time;
+  virtual time: it is :func:`~kvlab.workloads.replay.simulate` (each step lasts what a
+  :class:`~kvlab.workloads.serving.StepCostModel` says; the scheduler reads the virtual clock,
+  so ``prefill_priority_after``, the fairness rule, acts in replay time), keeping every step;
 * :func:`serving_replay` runs chapter 8's configurations (static, continuous, chunked with
   several budgets, the fairness rule) on one trace with a step-cost model of the GPU:
   :func:`cost_model_for` picks the GPU run's fit when it is usable, else
@@ -18,7 +17,6 @@ Drawing is in :mod:`kvlab.viz.schedule`.
 """
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -28,9 +26,8 @@ import numpy as np
 from kvlab.accounting import get_spec, kv_budget_bytes, kv_bytes_per_token
 from kvlab.engine.sampling_params import SamplingParams
 from kvlab.engine.scheduler import Scheduler
-from kvlab.engine.sequence import Sequence
-from kvlab.paging.block_pool import BlockPool
 from kvlab.paging.snapshot import PageMapFrame, page_map_frame
+from kvlab.workloads.replay import simulate
 from kvlab.workloads.serving import (LONG_PREFILL_TOKENS, LengthMix, RequestTiming, ServingRequest,
                                      ServingSummary, StepCostModel, StepFeatures, poisson_trace, summarize)
 
@@ -287,74 +284,30 @@ def _settings(sched) -> dict:
 def replay(trace, make_scheduler, cost_model: StepCostModel, *, num_blocks: int, block_size: int = BLOCK_SIZE,
            static: bool = False, page_maps: bool = False, max_steps: int = 1_000_000,
            token_id: int = 1) -> ScheduleRun:
-    """Replay ``trace`` (:class:`~kvlab.workloads.serving.ServingRequest` s) on
-    ``make_scheduler(pool)`` over a fresh :class:`BlockPool`, in virtual time, keeping every step.
+    """:func:`~kvlab.workloads.replay.simulate`'s replay of ``trace`` on ``make_scheduler(pool)``
+    in virtual time (same steps, same timings), keeping every step as a :class:`ScheduleStep`
+    (and the pool's page map after it, if ``page_maps``)."""
+    steps, names, last = [], {}, {}
 
-    The rules are :func:`~kvlab.workloads.replay.simulate`'s (same steps, same timings): a
-    request joins once the clock passes its arrival; a step lasts ``cost_model.predict`` of what
-    it computes; a token's time is the end of its step; an idle engine jumps to the next
-    arrival; ``static``: arrived requests wait until the engine is idle, then join together, at
-    most ``max_num_seqs`` of them. The scheduler reads the virtual clock, and each sequence's
-    arrival time is its request's.
-    """
-    scheduler = make_scheduler(BlockPool(num_blocks, block_size))
-    now = [0.0]
-    scheduler.clock = lambda: now[0]
-    pending = sorted(trace, key=lambda r: r.arrival_time)
-    arrived: list[ServingRequest] = []
-    timings = {r.request_id: RequestTiming(r.request_id, r.arrival_time, r.prompt_len) for r in pending}
-    seq_ids = itertools.count()
-    names: dict = {}
-    steps: list[ScheduleStep] = []
-    pending.reverse()                            # pop() from the end: the earliest arrival
-    while pending or arrived or scheduler.has_unfinished():
-        while pending and pending[-1].arrival_time <= now[0]:
-            arrived.append(pending.pop())
-        if not static or not scheduler.has_unfinished():
-            joining = arrived[:scheduler.max_num_seqs] if static else arrived
-            for r in joining:
-                seq = Sequence(next(seq_ids), r.request_id, [token_id] * r.prompt_len,
-                               SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True))
-                seq.arrival_time = r.arrival_time
-                scheduler.add(seq)
-            arrived = arrived[len(joining):]
-        if not scheduler.has_unfinished():
-            now[0] = max(now[0], pending[-1].arrival_time if pending else now[0])
-            continue
-        if len(steps) >= max_steps:
-            raise RuntimeError(f"the replay did not finish within max_steps={max_steps} steps")
-        out = scheduler.schedule()
-        for seq in out.finished:
-            timings[seq.request_id].finish, timings[seq.request_id].error = now[0], seq.error or seq.finish_reason
-        if not out.scheduled:
-            if out.finished:
-                continue
-            raise RuntimeError("the scheduler scheduled nothing while requests were waiting")
+    def keep(out, record, scheduler, arrived):
         items = _scheduled(out)
-        step = ScheduleStep(len(steps), scheduler.max_num_batched_tokens, scheduler.max_num_seqs, items,
-                            tuple(s.request_id for s in out.preempted), start=now[0])
-        duration = cost_model.predict(step.features)
-        now[0] += duration
-        samples = out.sample_seqs
-        before = [s.num_output_tokens for s in samples]
-        scheduler.update(out, [token_id] * len(samples))
-        finished = []
-        for seq, n in zip(samples, before):
-            t = timings[seq.request_id]
-            t.token_times += [now[0]] * (seq.num_output_tokens - n)
-            if seq.is_finished and t.finish is None:
-                t.finish = now[0]
-                finished.append(seq.request_id)
-                if seq.finish_reason == "error":
-                    t.error = seq.error or "error"
         ran = {s.request_id for s in items}
         names.update((s.seq.seq_id, seq_name(s.seq)) for s in out.scheduled)
         waiting = tuple(r.request_id for r in arrived) + tuple(
             s.request_id for s in (*scheduler.waiting, *scheduler.running) if s.request_id not in ran)
-        steps.append(replace(step, duration=duration, finished=tuple(finished), waiting=waiting,
-                             page_map=_by_request(page_map_frame(scheduler.pool, f"after step {step.index}"), names)
-                             if page_maps else None))
-    return ScheduleRun(steps, list(timings.values()), now[0], scheduler.num_preemptions, _settings(scheduler))
+        finished = tuple(dict.fromkeys(s.request_id for s in out.sample_seqs if s.is_finished))
+        index = len(steps)
+        steps.append(ScheduleStep(index, scheduler.max_num_batched_tokens, scheduler.max_num_seqs, items,
+                                  tuple(s.request_id for s in out.preempted), finished, waiting,
+                                  record.start, record.duration,
+                                  _by_request(page_map_frame(scheduler.pool, f"after step {index}"), names)
+                                  if page_maps else None))
+        last["scheduler"] = scheduler
+
+    result = simulate(trace, make_scheduler, cost_model, num_blocks=num_blocks, block_size=block_size,
+                      max_steps=max_steps, static=static, token_id=token_id, on_step=keep)
+    settings = _settings(last["scheduler"]) if last else {}
+    return ScheduleRun(steps, result.timings, result.duration, result.num_preemptions, settings)
 
 
 def burst(trace) -> list[ServingRequest]:

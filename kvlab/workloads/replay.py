@@ -68,7 +68,7 @@ def scheduler_factory_like(scheduler):
 
 def simulate(trace, make_scheduler, cost_model: StepCostModel, *, num_blocks: int, block_size: int = 16,
              max_steps: int = 1_000_000, static: bool = False,
-             long_prefill_threshold: int = LONG_PREFILL_TOKENS, token_id: int = 1) -> ServingResult:
+             long_prefill_threshold: int = LONG_PREFILL_TOKENS, token_id: int = 1, on_step=None) -> ServingResult:
     """Replay ``trace`` in virtual time on a real scheduler and :class:`BlockPool`, without a model.
 
     ``make_scheduler(pool)`` builds the scheduler on the pool of ``num_blocks`` blocks of
@@ -77,19 +77,24 @@ def simulate(trace, make_scheduler, cost_model: StepCostModel, *, num_blocks: in
     step lasts ``cost_model.predict`` of what it computes; every prompt and sampled token is
     ``token_id`` (the pool has no prefix caching) and requests end by length (``ignore_eos``).
     A token's time is the end of the step that produced it. When nothing runs, the clock
-    jumps to the next arrival. Requests
-    the scheduler refuses finish with their error and count as failed. ``static``: static
-    batching by admission: arrived requests wait until the scheduler is idle, then go in
-    together, at most ``max_num_seqs`` of them.
+    jumps to the next arrival. The scheduler reads this clock (``prefill_priority_after`` waits
+    in virtual seconds), and a sequence's arrival is its request's. Requests the scheduler
+    refuses finish with their error and count as failed. ``static``: static batching by
+    admission: arrived requests wait until the scheduler is idle, then go in together, at most
+    ``max_num_seqs`` of them. ``on_step(out, record, scheduler, arrived)``, if given, sees every
+    step after it is recorded (``arrived``: requests that arrived but have not joined).
     """
     scheduler = make_scheduler(BlockPool(num_blocks, block_size))
     arrivals = _Arrivals(trace, static, scheduler.max_num_seqs)
     timings, seq_ids = _timings(trace), itertools.count()
     clock, steps = 0.0, []
+    scheduler.clock = lambda: clock
     while not arrivals.done or scheduler.has_unfinished():
         for r in arrivals.due(clock, idle=not scheduler.has_unfinished()):
             params = SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True)
-            scheduler.add(Sequence(next(seq_ids), r.request_id, [token_id] * r.prompt_len, params))
+            seq = Sequence(next(seq_ids), r.request_id, [token_id] * r.prompt_len, params)
+            seq.arrival_time = r.arrival_time
+            scheduler.add(seq)
         if not scheduler.has_unfinished():
             clock = max(clock, arrivals.next_arrival)
             continue
@@ -110,6 +115,8 @@ def simulate(trace, make_scheduler, cost_model: StepCostModel, *, num_blocks: in
         scheduler.update(out, [token_id] * len(seqs))
         _record_tokens(timings, seqs, before, clock)
         steps.append(record)
+        if on_step is not None:
+            on_step(out, record, scheduler, list(arrivals.arrived))
     return ServingResult(list(timings.values()), steps, clock, scheduler.num_preemptions)
 
 
