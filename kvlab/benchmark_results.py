@@ -51,6 +51,15 @@ def results_path(name: str) -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
+def load_results(name: str, path=None) -> tuple[object, Path] | None:
+    """``(parsed JSON, its path)`` of ``path``, or of ``name`` in :func:`results_dir` when
+    ``path`` is None; ``None`` when there is no such file."""
+    path = results_path(name) if path is None else Path(path)
+    if path is None or not path.exists():
+        return None
+    return json.loads(path.read_text()), path
+
+
 # -- chapter 5: bench_flash_attention.py ------------------------------------------------------
 BENCH_COLUMNS = {"kvlab": "kvlab flash_attention",
                  "kvlab_paged": "kvlab paged_prefill, every key through the table",
@@ -81,10 +90,10 @@ def load_flash_benchmark(path=None) -> dict | None:
     ``path=None`` reads ``flash_attention.json`` of :func:`results_dir`. ``rows`` need every
     :data:`BENCH_COLUMNS` column; ``extends`` (new tokens after a cached prefix) is optional.
     """
-    path = results_path(FLASH_JSON) if path is None else Path(path)
-    if path is None or not path.exists():
+    loaded = load_results(FLASH_JSON, path)
+    if loaded is None:
         return None
-    results = json.loads(path.read_text())
+    results, path = loaded
     if not isinstance(results, dict) or not isinstance(results.get("rows"), list) or "env" not in results:
         raise ValueError(f"{path}: expected {{'env': {{...}}, 'rows': [...]}}")
     _check_rows(path, results, "rows", _ROW_KEYS + tuple(BENCH_COLUMNS))
@@ -178,10 +187,8 @@ def decode_benchmark(payload: dict) -> DecodeBenchmark:
 def read_decode_benchmark(path=None) -> DecodeBenchmark | None:
     """The benchmark at ``path`` (``None``: ``paged_decode.json`` of :func:`results_dir`), or
     ``None`` when the file does not exist."""
-    path = results_path(DECODE_JSON) if path is None else Path(path)
-    if path is None or not path.exists():
-        return None
-    return decode_benchmark(json.loads(path.read_text()))
+    loaded = load_results(DECODE_JSON, path)
+    return None if loaded is None else decode_benchmark(loaded[0])
 
 
 # -- chapter 7: bench_speculative.py ----------------------------------------------------------
@@ -306,13 +313,11 @@ def speculative_benchmark(payload: dict, path: str = "speculative.json") -> Spec
 def read_speculative_benchmark(path=None) -> SpeculativeBenchmark | None:
     """The benchmark at ``path`` (``None``: ``speculative.json`` of :func:`results_dir`), or
     ``None`` when the file does not exist."""
-    path = results_path(SPECULATIVE_JSON) if path is None else Path(path)
-    if path is None or not path.exists():
-        return None
-    return speculative_benchmark(json.loads(path.read_text()), path.name)
+    loaded = load_results(SPECULATIVE_JSON, path)
+    return None if loaded is None else speculative_benchmark(loaded[0], loaded[1].name)
 
 
-__all__ = ["RESULTS_ENV", "FLASH_JSON", "DECODE_JSON", "results_dir", "results_path", "BENCH_COLUMNS",
+__all__ = ["RESULTS_ENV", "FLASH_JSON", "DECODE_JSON", "results_dir", "results_path", "load_results", "BENCH_COLUMNS",
            "PAGED_COLUMNS", "load_flash_benchmark", "flash_rows", "flash_groups", "benchmark_ratios",
            "DECODE_COLUMNS", "ratio", "DecodeBenchmark", "decode_benchmark", "read_decode_benchmark",
            "SPECULATIVE_JSON", "SPECULATIVE_SECTIONS", "SpeculativeBenchmark", "speculative_benchmark",
@@ -429,10 +434,8 @@ def serving_benchmark(payload: dict, path: str = SERVING_JSON) -> ServingBenchma
 def read_serving_benchmark(path=None) -> ServingBenchmark | None:
     """The benchmark at ``path`` (``None``: ``serving.json`` of :func:`results_dir`), or
     ``None`` when the file does not exist."""
-    path = results_path(SERVING_JSON) if path is None else Path(path)
-    if path is None or not path.exists():
-        return None
-    return serving_benchmark(json.loads(path.read_text()), path.name)
+    loaded = load_results(SERVING_JSON, path)
+    return None if loaded is None else serving_benchmark(loaded[0], loaded[1].name)
 
 
 __all__ += ["SERVING_JSON", "SERVING_ROW_KEYS", "ServingBenchmark", "serving_benchmark", "read_serving_benchmark"]
