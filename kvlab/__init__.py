@@ -33,6 +33,13 @@ def use_solution(chapter: str):
     return _use_solution(chapter)
 
 
+def show_solution(chapter: str, task: str) -> None:
+    """Print one task's reference answer, after your attempt: ``kvlab.show_solution("ch02", "write_kv_kernel")``."""
+    from kvlab.grading import show_solution as _show_solution
+
+    _show_solution(chapter, task)
+
+
 def doctor(verbose: bool = True) -> bool:
     """Check the environment: versions, profile, a tiny Triton kernel against torch."""
     from kvlab.doctor import doctor as _doctor
@@ -50,4 +57,4 @@ def __getattr__(name: str):
 
 
 __all__ = ["LLM", "SamplingParams", "EngineConfig", "profile", "KVLabError", "OutOfBlocksError", "SharedBlockWriteError", "UnknownSequenceError", "check", "load_exercise",
-           "use_solution", "doctor"]
+           "use_solution", "show_solution", "doctor"]

@@ -306,6 +306,31 @@ def check(chapter: str, impl: str = "exercises") -> GradeReport:
     return report
 
 
+def solution_tasks(chapter: str) -> list[str]:
+    """The task names of a chapter, in the order its solution file gives them."""
+    _check_chapter(chapter)
+    text = (ROOT / "solutions" / f"{chapter}.py").read_text()
+    return re.findall(r"^# -- task (\w+)", text, flags=re.M)
+
+
+def solution_source(chapter: str, task: str) -> str:
+    """The reference answer of one task: its section of ``solutions/chNN.py``."""
+    tasks = solution_tasks(chapter)
+    if task not in tasks:
+        raise ValueError(f"task must be one of {chapter}'s tasks {tasks}, got {task!r}")
+    text = (ROOT / "solutions" / f"{chapter}.py").read_text()
+    section = re.split(r"^# -- task (\w+).*$", text, flags=re.M)
+    body = dict(zip(section[1::2], section[2::2]))[task]
+    return f"# {chapter}, task {task}: the reference answer (solutions/{chapter}.py)\n" + body.strip() + "\n"
+
+
+def show_solution(chapter: str, task: str) -> str:
+    """Print a task's reference answer: the explicit reveal, for after your own attempt."""
+    source = solution_source(chapter, task)
+    print(source)
+    return source
+
+
 def use_solution(chapter: str) -> Path:
     """Make ``exercises/chNN.py`` the reference answer; your version is kept beside it.
 

@@ -1,5 +1,6 @@
 """The grading tools: chapter loading, use_solution checkpoints, the kvlab command."""
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +142,19 @@ def test_the_canary_catches_a_store_past_the_end(tmp_path, monkeypatch):
     task = next(t for t in report.tasks if t.task == "write_kv_kernel")
     assert "wrote past the end of `k_cache`" in task.first_failure, report.table()
     assert "check the store mask" in task.first_failure
+
+
+def test_show_solution_prints_one_tasks_section_and_names_bad_tasks(capsys):
+    from kvlab.grading import solution_tasks
+
+    for chapter in ("ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08"):
+        tasks = solution_tasks(chapter)
+        assert tasks, chapter
+        graded = (Path(__file__).parent / "graded" / f"test_{chapter}.py").read_text()
+        for task in tasks:  # every revealable task is a graded task, by the same name
+            assert f'task("{task}")' in graded, (chapter, task)
+    kvlab.show_solution("ch02", "slot_mapping")
+    shown = capsys.readouterr().out
+    assert "def slot_mapping" in shown and "write_kv_kernel" not in shown
+    with pytest.raises(ValueError, match="ch02's tasks"):
+        kvlab.show_solution("ch02", "no_such_task")
