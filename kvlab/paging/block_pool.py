@@ -161,11 +161,10 @@ class BlockPool:
         check_count("num_tokens", num_tokens)
         check_salt(salt)
         self._check_capacity(seq_id, num_tokens)
-        hits, hashes = [], []
+        hits = []
         if self.enable_prefix_caching:
             self._check_token_ids(token_ids, num_tokens)
-            hashes = hash_blocks(token_ids, self.block_size, salt)
-            hits = self._cached_prefix(hashes[:(num_tokens - 1) // self.block_size] if num_tokens else [])
+            hits = self.computed_blocks(token_ids, salt)     # the one lookup, also the scheduler's
         needed = blocks_needed(num_tokens, self.block_size) - len(hits)
         available = self.num_free_blocks - sum(1 for b in hits if b in self.evictable)
         if needed > available:
@@ -179,7 +178,7 @@ class BlockPool:
             self.seq_salts[seq_id] = salt
             self.seq_hashes[seq_id] = []
             self.num_cached_tokens[seq_id] = len(hits) * self.block_size
-            self._register_full_blocks(seq_id, hashes, upto=None if cache else len(hits) * self.block_size)
+            self._register_full_blocks(seq_id, upto=None if cache else len(hits) * self.block_size)
         return self.block_table(seq_id)
 
     def cache_blocks(self, seq_id, num_computed_tokens: int) -> None:
