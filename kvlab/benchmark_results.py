@@ -23,32 +23,51 @@ DECODE_JSON = "paged_decode.json"            # benchmarks/bench_paged_decode.py
 SPECULATIVE_JSON = "speculative.json"        # benchmarks/bench_speculative.py
 
 
+def _candidates() -> list[Path]:
+    """Where the results may be, in order: ``benchmarks/results`` in the working directory and
+    each folder above it, then beside the kvlab package."""
+    bases = []
+    try:
+        cwd = Path.cwd().resolve()
+        bases += [cwd, *cwd.parents]
+    except OSError:                              # the working directory was removed
+        pass
+    import kvlab
+
+    bases.append(Path(kvlab.__file__).resolve().parent.parent)
+    return [base / "benchmarks" / "results" for base in bases]
+
+
+def _exists(path: Path, kind: str) -> bool:
+    try:
+        return path.is_dir() if kind == "dir" else path.is_file()
+    except OSError:                              # a folder we may not look into
+        return False
+
+
 def results_dir() -> Path | None:
     """The folder of benchmark results, or ``None`` if there is none.
 
-    In order: the folder ``$KVLAB_BENCHMARK_RESULTS`` names; ``benchmarks/results`` in the
-    working directory or one above it (a notebook runs in ``notebooks/``, so a non-editable
-    install run from a checkout finds the checkout's); ``benchmarks/results`` beside the kvlab
-    package (an editable install, from any working directory).
+    The folder ``$KVLAB_BENCHMARK_RESULTS`` names, if set; else the first ``benchmarks/results``
+    in the working directory or a folder above it (a notebook runs in ``notebooks/``, so any
+    install run from a checkout finds the checkout's), then beside the kvlab package (an
+    editable install, from any working directory). A non-editable install run outside a
+    checkout finds none: point ``$KVLAB_BENCHMARK_RESULTS`` at the folder.
     """
     forced = os.environ.get(RESULTS_ENV, "").strip()
     if forced:
         return Path(forced)
-    cwd = Path.cwd().resolve()
-    import kvlab
-
-    for base in (cwd, *cwd.parents, Path(kvlab.__file__).resolve().parent.parent):
-        candidate = base / "benchmarks" / "results"
-        if candidate.is_dir():
-            return candidate
-    return None
+    return next((folder for folder in _candidates() if _exists(folder, "dir")), None)
 
 
 def results_path(name: str) -> Path | None:
-    """``name`` (e.g. ``"paged_decode.json"``) in :func:`results_dir`, or ``None`` if it is not there."""
-    folder = results_dir()
-    path = None if folder is None else folder / name
-    return path if path is not None and path.is_file() else None
+    """The file ``name`` (e.g. ``"paged_decode.json"``) of the first folder of :func:`results_dir`'s
+    order that holds it (only ``$KVLAB_BENCHMARK_RESULTS`` when set), or ``None``."""
+    if not isinstance(name, str) or not name or Path(name).name != name:
+        raise ValueError(f"name must be a file name such as {FLASH_JSON!r}, got {name!r}")
+    forced = os.environ.get(RESULTS_ENV, "").strip()
+    folders = [Path(forced)] if forced else _candidates()
+    return next((folder / name for folder in folders if _exists(folder / name, "file")), None)
 
 
 def load_results(name: str, path=None) -> tuple[object, Path] | None:
@@ -64,7 +83,7 @@ def load_results(name: str, path=None) -> tuple[object, Path] | None:
 BENCH_COLUMNS = {"kvlab": "kvlab flash_attention",
                  "kvlab_paged": "kvlab paged_prefill, every key through the table",
                  "kvlab_paged_new": "kvlab paged_prefill, new K/V given (engine)",
-                 "sdpa_flash": "SDPA flash (FA2-class)", "sdpa_cudnn": "SDPA cuDNN (FA3-class)",
+                 "sdpa_flash": "SDPA flash (FA-2)", "sdpa_cudnn": "SDPA cuDNN",
                  "naive": "naive (scores in memory)"}
 PAGED_COLUMNS = ("kvlab_paged", "kvlab_paged_new")     # paged_prefill's two ways of reading keys
 _ROW_KEYS = ("batch", "seq_len", "heads", "head_dim")
@@ -118,7 +137,7 @@ def flash_groups(results: dict) -> dict:
 
 
 def benchmark_ratios(results: dict) -> list[dict]:
-    """Per row: kvlab / SDPA flash, kvlab / cuDNN, cuDNN / SDPA flash (FA3-class over FA2-class),
+    """Per row: kvlab / SDPA flash, kvlab / cuDNN, cuDNN / SDPA flash (a Hopper-tuned kernel over FA-2),
     and paged / contiguous for both modes of ``paged_prefill`` (every key through the table;
     the new tokens' K/V given)."""
     out = []

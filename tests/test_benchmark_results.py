@@ -72,3 +72,50 @@ def test_viz_reads_through_this_module():
     assert flash.load_flash_benchmark is br.load_flash_benchmark and flash.BENCH_COLUMNS is br.BENCH_COLUMNS
     assert decode.read_decode_benchmark is br.read_decode_benchmark
     assert tuple(key for key, _, _ in decode.BENCH_SERIES) == br.DECODE_COLUMNS
+
+
+def as_if_installed_at(monkeypatch, site_packages: Path) -> None:
+    """kvlab as a non-editable install would have it: the package inside ``site_packages``."""
+    monkeypatch.setattr(kvlab, "__file__", str(site_packages / "kvlab" / "__init__.py"))
+
+
+def test_a_non_editable_install_finds_the_checkout_it_runs_in(tmp_path, monkeypatch):
+    monkeypatch.delenv(br.RESULTS_ENV, raising=False)
+    as_if_installed_at(monkeypatch, tmp_path / "venv" / "site-packages")
+    folder = results_tree(tmp_path / "checkout")
+    (tmp_path / "checkout" / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "checkout" / "notebooks")
+    assert br.results_path(br.FLASH_JSON) == (folder / br.FLASH_JSON).resolve()
+    monkeypatch.chdir(tmp_path)                        # outside any checkout: nothing to find
+    assert br.results_dir() is None and br.results_path(br.FLASH_JSON) is None
+    assert br.load_flash_benchmark() is None and br.read_decode_benchmark() is None
+
+
+def test_a_folder_without_the_file_does_not_hide_one_that_has_it(tmp_path, monkeypatch):
+    monkeypatch.delenv(br.RESULTS_ENV, raising=False)
+    as_if_installed_at(monkeypatch, tmp_path / "checkout")          # an editable install's layout
+    folder = results_tree(tmp_path / "checkout")
+    stray = tmp_path / "elsewhere" / "benchmarks" / "results"
+    stray.mkdir(parents=True)
+    (stray / br.DECODE_JSON).write_text(json.dumps(DECODE))
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert br.results_path(br.DECODE_JSON) == (stray / br.DECODE_JSON).resolve()    # the working directory first
+    assert br.results_path(br.FLASH_JSON) == (folder / br.FLASH_JSON).resolve()     # then beside the package
+
+
+def test_a_removed_working_directory_is_skipped(tmp_path, monkeypatch):
+    monkeypatch.delenv(br.RESULTS_ENV, raising=False)
+    as_if_installed_at(monkeypatch, tmp_path / "checkout")
+    folder = results_tree(tmp_path / "checkout")
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert br.results_dir() == folder.resolve()
+    assert br.load_flash_benchmark() is not None
+
+
+@pytest.mark.parametrize("name", ["", "results/flash_attention.json", "../flash_attention.json", None])
+def test_results_path_takes_a_file_name(name):
+    with pytest.raises(ValueError, match="name must be a file name"):
+        br.results_path(name)
