@@ -28,7 +28,7 @@ from kvlab.errors import OutOfBlocksError, UnknownSequenceError  # noqa: F401  (
 from kvlab.paging import BlockPool, blocks_needed  # noqa: F401  (blocks_needed(n, bs) = ceil(n / bs))
 from kvlab.paging.block_pool import check_count  # noqa: F401  (TypeError/ValueError for a bad count)
 # Given (not a task), shared with solutions/ch03.py: read kvlab/scaffold/ch03.py.
-from kvlab.scaffold.ch03 import pool_with_fork_and_append
+from kvlab.scaffold.ch03 import PIECES, my_pieces_user, pool_with_fork_and_append  # noqa: F401
 
 
 # -- task fork -------------------------------------------------------------------------------
@@ -83,3 +83,7 @@ def parallel_sampling_blocks(prompt_len: int, gen_len: int, n: int, block_size: 
 # Given: kvlab's BlockPool with fork and append replaced by yours. Plug it into the chapter's
 # beam search: kvlab.workloads.beam_search.beam_search(MyBlockPool(64, 4), prompt_len=6, beam_width=4, steps=8).
 MyBlockPool = pool_with_fork_and_append(fork, append_with_copy_on_write)
+
+# Given: use_my_pieces(llm) serves an LLM from a pool running your fork and append (the
+# engine forks the n samples of a request); returns which of your pieces it runs.
+use_my_pieces = my_pieces_user(fork, append_with_copy_on_write)

@@ -17,7 +17,7 @@ from kvlab.errors import UnknownSequenceError  # noqa: F401  (you will raise it)
 from kvlab.paging import BlockPool
 from kvlab.paging.prefix_hash import hash_blocks, root_hash, token_bytes  # noqa: F401  (given helpers)
 # Given (not a task), shared with solutions/ch04.py: read kvlab/scaffold/ch04.py.
-from kvlab.scaffold.ch04 import pool_with_eviction
+from kvlab.scaffold.ch04 import PIECES, my_pieces_user, pool_with_eviction, pool_with_prefix_caching  # noqa: F401
 
 
 # -- task block_hashes ---------------------------------------------------------------------
@@ -85,3 +85,7 @@ def release(pool: BlockPool, seq_id) -> list[int]:
 
 # Given: kvlab's BlockPool with take_free_block and release plugged in.
 PoolWithMyEviction = pool_with_eviction(take_free_block, release)
+
+# Given: use_my_pieces(llm) serves an LLM with prefix caching from a pool running your four functions
+# (hashing, lookup, eviction); returns which of them it runs.
+use_my_pieces = my_pieces_user(block_hashes, cached_prefix, take_free_block, release)

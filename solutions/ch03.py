@@ -3,7 +3,7 @@ from kvlab.errors import OutOfBlocksError, UnknownSequenceError
 from kvlab.paging import blocks_needed
 from kvlab.paging.block_pool import check_count
 # Given (not a task), shared with exercises/ch03.py: read kvlab/scaffold/ch03.py.
-from kvlab.scaffold.ch03 import pool_with_fork_and_append
+from kvlab.scaffold.ch03 import PIECES, my_pieces_user, pool_with_fork_and_append  # noqa: F401
 
 
 # -- task fork -------------------------------------------------------------------------------
@@ -59,3 +59,6 @@ def parallel_sampling_blocks(prompt_len: int, gen_len: int, n: int, block_size: 
 
 # Given: kvlab's BlockPool with fork and append replaced by these.
 MyBlockPool = pool_with_fork_and_append(fork, append_with_copy_on_write)
+
+# Given: use_my_pieces(llm) serves an LLM from a pool running these.
+use_my_pieces = my_pieces_user(fork, append_with_copy_on_write)

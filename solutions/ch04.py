@@ -5,7 +5,7 @@ from kvlab.errors import UnknownSequenceError
 from kvlab.paging import BlockPool
 from kvlab.paging.prefix_hash import hash_blocks, root_hash, token_bytes
 # Given (not a task), shared with exercises/ch04.py: read kvlab/scaffold/ch04.py.
-from kvlab.scaffold.ch04 import pool_with_eviction
+from kvlab.scaffold.ch04 import PIECES, my_pieces_user, pool_with_eviction, pool_with_prefix_caching  # noqa: F401
 
 
 # -- task block_hashes ---------------------------------------------------------------------
@@ -66,3 +66,7 @@ def release(pool: BlockPool, seq_id) -> list[int]:
 
 # Given: kvlab's BlockPool with take_free_block and release plugged in.
 PoolWithMyEviction = pool_with_eviction(take_free_block, release)
+
+# Given: use_my_pieces(llm) serves an LLM with prefix caching from a pool running these four
+# (hashing, lookup, eviction); returns which of them it runs.
+use_my_pieces = my_pieces_user(block_hashes, cached_prefix, take_free_block, release)
