@@ -8,8 +8,8 @@ Poisson request trace replayed in real time.
   = 32,768 (Llama 3.1's context) so that 16K-token prompts fit. ``--tiny``: the shipped tiny
   model (``LLM()``'s, context 2,048) and every length of the mix scaled by ``--scale``.
 * The trace (:func:`kvlab.workloads.serving.poisson_trace`): ``--requests`` Poisson arrivals,
-  :class:`~kvlab.workloads.serving.LengthMix`'s defaults (chats of 50-1,000 prompt and 50-400
-  output tokens, 10% prompts of 8K-16K tokens), seed ``--seed``; greedy, no early stop.
+  :class:`~kvlab.workloads.serving.LengthMix`'s defaults (chats of 50-1,000 prompt tokens, 20%
+  prompts of 8K-16K tokens, answers of 16-1,024 tokens), seed ``--seed``; greedy, no early stop.
 * Its rate: ``--load`` times the continuous engine's capacity, measured first by serving
   ``--capacity-requests`` requests of the same mix that all arrive at once:
   requests / time to serve them all.
