@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # JupyterLab refuses to run as root (containers, CI) unless told to.
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
 
-.PHONY: setup lab test test-gpu grade notebooks clean
+.PHONY: setup lab test test-browser test-gpu grade notebooks clean
 
 setup: $(VENV)/.installed
 
@@ -26,9 +26,14 @@ $(VENV)/.installed: pyproject.toml
 lab: setup
 	$(BIN)/jupyter lab notebooks/ $(LAB_ARGS)
 
-# Everything CI runs: unit, property, kernel (Triton interpreter), graded and notebook tests.
+# Everything CI runs: unit, property, kernel (Triton interpreter), graded, notebook and browser
+# tests. -rs lists every skipped test with its reason (the browser test needs /usr/bin/chromium).
 test: setup
-	KVLAB_PROFILE=cpu $(BIN)/python -m pytest tests notebooks --nbval-lax -q $(PYTEST_ARGS)
+	KVLAB_PROFILE=cpu $(BIN)/python -m pytest tests notebooks --nbval-lax -q -rs $(PYTEST_ARGS)
+
+# Chapter 2 in JupyterLab, driven by Chromium (screenshot in build/browser/).
+test-browser: setup
+	KVLAB_PROFILE=cpu $(BIN)/python -m pytest tests/browser -q -rs $(PYTEST_ARGS)
 
 # On a machine with an NVIDIA GPU: the kernel tests at larger sizes, compiled natively.
 test-gpu: setup
