@@ -9,6 +9,7 @@ Fill in every function that raises NotImplementedError, then grade your work:
 Tasks: ``chunked_attention`` (attention over chunks of keys with a running softmax, in
 PyTorch), ``online_softmax`` (``online_softmax_update``, the loop body of the given Triton kernel
 ``attention_kernel`` in ``kvlab/scaffold/ch05.py``), ``causal_bounds`` (``causal_tile_bounds``).
+Then ``use_my_attention`` (given) serves text from the engine with your pieces as its attention.
 Stuck? ``kvlab.use_solution("ch05")`` swaps in the answer and keeps yours as
 ``exercises/ch05_mine.py``.
 """
@@ -20,7 +21,7 @@ import triton
 import triton.language as tl
 
 # Given (not a task), shared with solutions/ch05.py: read kvlab/scaffold/ch05.py.
-from kvlab.scaffold.ch05 import attention_kernel, attention_with  # noqa: F401  (the kernel, to read)
+from kvlab.scaffold.ch05 import PIECES, attention_kernel, attention_with, my_attention_user  # noqa: F401
 
 
 # -- task chunked_attention ------------------------------------------------------------------
@@ -86,3 +87,7 @@ def causal_tile_bounds(start_m: int, len_q: int, len_k: int, block_m: int, block
     """
     raise NotImplementedError("causal_tile_bounds: which keys does the block's first query see, and its last? "
                               "Round the first count down to whole tiles")
+
+
+# Given: use_my_attention(pieces=PIECES, **settings), an LLM whose attention backend runs your pieces.
+use_my_attention = my_attention_user(chunked_attention, attention, causal_tile_bounds)

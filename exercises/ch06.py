@@ -8,7 +8,8 @@ Fill in every function that raises NotImplementedError, then grade your work:
 
 Tasks: ``split_ranges`` (split_ranges and split_pages: which tokens and which pages each split
 program reads), ``merge_splits`` (stage 2 in PyTorch), ``merge_kernel`` (the body of the
-stage-2 Triton kernel). Stuck? ``kvlab.use_solution("ch06")`` swaps in the answer and keeps
+stage-2 Triton kernel). Then ``use_my_decoding`` (given) serves text from the engine with your
+pieces as its attention. Stuck? ``kvlab.use_solution("ch06")`` swaps in the answer and keeps
 yours as ``exercises/ch06_mine.py``.
 
 Conventions, as in ``kvlab.kernels.paged_decode``: split ``g`` of a sequence produces its
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 
 # Given (not a task), shared with solutions/ch06.py: read kvlab/scaffold/ch06.py.
-from kvlab.scaffold.ch06 import merge_with
+from kvlab.scaffold.ch06 import PIECES, merge_with, my_decoding_user  # noqa: F401
 
 
 # -- task split_ranges ---------------------------------------------------------------------
@@ -108,3 +109,7 @@ def merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
 
 # Given: merge_with_kernel(partial_out, lse, dtype=None) launches your kernel.
 merge_with_kernel = merge_with(merge_splits_kernel)
+
+
+# Given: use_my_decoding(pieces=PIECES, **settings), an LLM whose attention backend runs your pieces.
+use_my_decoding = my_decoding_user(split_ranges, split_pages, merge_splits, merge_with_kernel)

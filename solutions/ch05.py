@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 # Given (not a task), shared with exercises/ch05.py: read kvlab/scaffold/ch05.py.
-from kvlab.scaffold.ch05 import attention_kernel, attention_with  # noqa: F401  (the kernel, to read)
+from kvlab.scaffold.ch05 import PIECES, attention_kernel, attention_with, my_attention_user  # noqa: F401
 
 
 # -- task chunked_attention ------------------------------------------------------------------
@@ -67,3 +67,7 @@ def causal_tile_bounds(start_m: int, len_q: int, len_k: int, block_m: int, block
     first_sees = start_m + shift + 1                          # keys 0 .. start_m + shift
     last_sees = min(start_m + block_m, len_q) + shift         # the last real query of the block
     return first_sees // block_n * block_n, last_sees
+
+
+# Given: use_my_attention(pieces=PIECES, **settings), an LLM whose attention backend runs your pieces.
+use_my_attention = my_attention_user(chunked_attention, attention, causal_tile_bounds)

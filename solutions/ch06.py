@@ -9,7 +9,7 @@ import triton.language as tl
 from kvlab.kernel_plan import pages_read as split_pages  # noqa: F401
 from kvlab.kernel_plan import split_token_ranges as split_ranges  # noqa: F401
 # Given (not a task), shared with exercises/ch06.py: read kvlab/scaffold/ch06.py.
-from kvlab.scaffold.ch06 import merge_with
+from kvlab.scaffold.ch06 import PIECES, merge_with, my_decoding_user  # noqa: F401
 
 
 # -- task merge_splits ---------------------------------------------------------------------
@@ -46,3 +46,7 @@ def merge_splits_kernel(partial_ptr, lse_ptr, out_ptr, num_splits,
 
 # Given: merge_with_kernel(partial_out, lse, dtype=None) launches the kernel.
 merge_with_kernel = merge_with(merge_splits_kernel)
+
+
+# Given: use_my_decoding(pieces=PIECES, **settings), an LLM whose attention backend runs your pieces.
+use_my_decoding = my_decoding_user(split_ranges, split_pages, merge_splits, merge_with_kernel)

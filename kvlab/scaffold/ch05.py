@@ -1,10 +1,23 @@
-"""Chapter 5, given: the attention kernel around your online-softmax update, and its launcher."""
+"""Chapter 5, given: the attention kernel around your online-softmax update, its launcher, and
+``use_my_attention``, which serves an ``LLM`` whose attention runs your pieces."""
 import math
 
 import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
 import torch
 import triton
 import triton.language as tl
+
+from kvlab import kernel_plan
+from kvlab.engine import LLM
+from kvlab.engine.spec_decode import DEFAULT_DRAFT_MODEL
+from kvlab.reference import attention_ref, gather_kv
+
+PIECES = ("chunked_attention", "online_softmax_update", "causal_tile_bounds")
+BLOCK_M = BLOCK_N = 16          # the tiles the engine's attention runs with
+# The engine of the chapter's last section: the course's smaller model (4 layers, 2 query heads
+# over 1 KV head), so that Triton's CPU interpreter keeps up; prompts go in chunks of 8 tokens,
+# so most chunks extend a cached prefix (chapter 8 schedules such chunks).
+ENGINE_SETTINGS = {"model": DEFAULT_DRAFT_MODEL, "max_model_len": 128, "long_prefill_token_threshold": 8}
 
 
 @triton.jit
@@ -75,3 +88,89 @@ def attention_with(online_softmax_update):
         return out
 
     return attention
+
+
+def course_chunked_attention(q, k, v, block_n: int, causal: bool = True, sm_scale: float | None = None):
+    """The course's stand-in for ``chunked_attention`` (same arguments): ``attention_ref`` on one head."""
+    return attention_ref(q[:, None], k[:, None], v[:, None], causal=causal, sm_scale=sm_scale)[:, 0]
+
+
+def attention_backend_with(chunked_attention, attention, causal_tile_bounds):
+    """An attention backend (:mod:`kvlab.models.backends`) that runs chapter 5's pieces.
+
+    For each sequence of a step, with its keys read through its block table:
+
+    * several queries (a prompt, or a chunk of one): ``attention`` (``attention_kernel`` with an
+      ``online_softmax_update``), ``BLOCK_M`` queries at a time, over the keys ``0 .. end - 1``
+      of ``causal_tile_bounds``: the pages past ``end`` are never read;
+    * one query (a decode step): ``chunked_attention``, one query head at a time.
+    """
+
+    def flash_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale):
+        out = torch.empty_like(q)
+        group = q.shape[1] // k_cache.shape[2]                # query heads per KV head
+        first = 0
+        for table, seq_len, query_len in zip(block_tables.tolist(), seq_lens.tolist(), query_lens.tolist()):
+            queries, rows = q[first:first + query_len].float(), out[first:first + query_len]
+            first += query_len
+            if query_len == 1:
+                k, v = gather_kv(k_cache, table, seq_len).float(), gather_kv(v_cache, table, seq_len).float()
+                for h in range(q.shape[1]):
+                    rows[:, h] = chunked_attention(queries[:, h], k[:, h // group], v[:, h // group], BLOCK_N,
+                                                   causal=True, sm_scale=sm_scale)
+                continue
+            for start_m in range(0, query_len, BLOCK_M):
+                _, end = causal_tile_bounds(start_m, query_len, seq_len, BLOCK_M, BLOCK_N)
+                k, v = gather_kv(k_cache, table, end).float(), gather_kv(v_cache, table, end).float()
+                block = slice(start_m, start_m + BLOCK_M)
+                rows[block] = attention(queries[block].contiguous(), k, v, causal=True, sm_scale=sm_scale)
+        return out
+
+    return flash_backend
+
+
+def my_attention_user(chunked_attention, attention, causal_tile_bounds):
+    """The function ``use_my_attention``, bound to one implementation's pieces."""
+
+    def use_my_attention(pieces=PIECES, **settings):
+        """An ``LLM`` (``settings`` as ``LLM``'s) whose attention runs your ``pieces``.
+
+        ``pieces``: a subset of ``PIECES``; the others are the course's (``attention_ref`` for
+        ``chunked_attention`` and for the kernel, ``kvlab.kernel_plan.causal_tile_bounds``). The
+        backend (``attention_backend_with``) goes in through the engine's plug-in point,
+        ``LLM(attention_backend=...)``.
+        """
+        unknown = set(pieces) - set(PIECES)
+        if isinstance(pieces, str) or unknown:
+            raise ValueError(f"pieces must be a collection of names among {PIECES}, got {pieces!r}")
+        if "attention_backend" in settings:
+            raise TypeError("use_my_attention sets attention_backend itself")
+        backend = attention_backend_with(
+            chunked_attention if "chunked_attention" in pieces else course_chunked_attention,
+            attention if "online_softmax_update" in pieces else attention_ref,
+            causal_tile_bounds if "causal_tile_bounds" in pieces else kernel_plan.causal_tile_bounds)
+        return LLM(attention_backend=backend, **settings)
+
+    return use_my_attention
+
+
+def _not_written(err: Exception) -> bool:
+    # A stub inside a @triton.jit function can surface wrapped in a compilation error.
+    return isinstance(err, NotImplementedError) or "NotImplementedError" in str(err)
+
+
+def written_pieces(module) -> list[str]:
+    """The ``PIECES`` of ``module`` (your ``exercises/ch05.py``) that no longer raise NotImplementedError."""
+    x = torch.zeros(1, 1, 16, device=kvlab.profile.DEVICE)
+    probes = {"chunked_attention": lambda: module.chunked_attention(x[0], x[0], x[0], BLOCK_N),
+              "online_softmax_update": lambda: module.attention(x, x, x),
+              "causal_tile_bounds": lambda: module.causal_tile_bounds(0, 1, 1, BLOCK_M, BLOCK_N)}
+    written = []
+    for name, probe in probes.items():
+        try:
+            probe()
+        except Exception as err:                # a bug that is not a stub: the engine will show it
+            if _not_written(err):
+                continue
+        written.append(name)
+    return written
