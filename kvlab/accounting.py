@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvlab.validation import check_count
@@ -43,7 +43,9 @@ class ModelSpec:
 
     ``mlp_matrices`` is 3 for a SwiGLU MLP (gate, up, down: Llama, Mistral, Qwen) and 2 for
     a classic MLP (up, down: GPT-3). ``max_position_embeddings`` is the context length the
-    config declares (None when a config does not say).
+    config declares (None when a config does not say). ``dtype`` is the one the checkpoint was
+    saved in ("bfloat16", say), None when unknown; it is not part of the shape, so two specs that
+    differ only in it are equal.
     """
 
     name: str
@@ -57,11 +59,12 @@ class ModelSpec:
     tie_word_embeddings: bool = False
     max_position_embeddings: int | None = None
     mlp_matrices: int = 3
+    dtype: str | None = field(default=None, compare=False)
 
     def __post_init__(self):
-        for field in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
-                      "intermediate_size", "vocab_size", "mlp_matrices"):
-            check_int(field, getattr(self, field))
+        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size",
+                     "intermediate_size", "vocab_size", "mlp_matrices"):
+            check_int(name, getattr(self, name))
         if self.max_position_embeddings is not None:
             check_int("max_position_embeddings", self.max_position_embeddings)
         if self.num_heads % self.num_kv_heads:
@@ -134,10 +137,51 @@ def get_spec(name_or_path) -> ModelSpec:
 def spec_from_hf_config(path_or_dict, name: str | None = None) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (a path or the parsed dict) into a :class:`ModelSpec`.
 
-    ``num_key_value_heads`` defaults to ``num_attention_heads`` (MHA) and ``head_dim`` to
-    ``hidden_size // num_attention_heads``, as in the transformers library. Multimodal
-    configs that nest the language model under ``text_config`` are read from there.
+    This is kvlab's one reader of a config's shape: :meth:`kvlab.models.ModelConfig.from_hf`
+    takes its shape from here and adds what running the model needs. ``num_key_value_heads``
+    defaults to ``num_attention_heads`` (MHA) and ``head_dim`` to ``hidden_size //
+    num_attention_heads``, as in the transformers library. Multimodal configs that nest the
+    language model under ``text_config`` are read from there. Every error names the key.
     """
+    config, where = _read_config(path_or_dict)
+
+    def count(key, default=None, required=True):
+        value = config.get(key)
+        if value is None:
+            if required and default is None:
+                raise ValueError(f"{where}: missing field {key!r}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{where}: field {key!r} must be a positive int, got {value!r}")
+        return value
+
+    num_heads = count("num_attention_heads")
+    num_kv_heads = count("num_key_value_heads", default=num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{where}: 'num_attention_heads' ({num_heads}) must be a multiple of "
+                         f"'num_key_value_heads' ({num_kv_heads})")
+    hidden_size = count("hidden_size")
+    dtype_key = "torch_dtype" if config.get("torch_dtype") else "dtype"     # transformers 5 writes "dtype"
+    dtype = config.get(dtype_key)
+    if dtype is not None and not isinstance(dtype, str):
+        raise ValueError(f"{where}: field {dtype_key!r} must be a string such as 'bfloat16', got {dtype!r}")
+    return ModelSpec(
+        name=name or config.get("_name_or_path") or config.get("model_type") or "custom",
+        num_layers=count("num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=count("head_dim", default=hidden_size // num_heads),
+        hidden_size=hidden_size,
+        intermediate_size=count("intermediate_size"),
+        vocab_size=count("vocab_size"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        max_position_embeddings=count("max_position_embeddings", required=False),
+        dtype=dtype,
+    )
+
+
+def _read_config(path_or_dict) -> tuple[dict, str]:
+    """The config as a dict (a file parsed, a nested ``text_config`` taken out) and its name for errors."""
     if isinstance(path_or_dict, dict):
         config, where = path_or_dict, "config"
     else:
@@ -150,31 +194,7 @@ def spec_from_hf_config(path_or_dict, name: str | None = None) -> ModelSpec:
         raise ValueError(f"{where} must hold a JSON object, got {type(config).__name__}")
     if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
-
-    def field(key, default=None, required=True):
-        value = config.get(key)
-        if value is None:
-            if required and default is None:
-                raise ValueError(f"{where}: missing field {key!r}")
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{where}: field {key!r} must be a positive int, got {value!r}")
-        return value
-
-    num_heads = field("num_attention_heads")
-    hidden_size = field("hidden_size")
-    return ModelSpec(
-        name=name or config.get("_name_or_path") or config.get("model_type") or "custom",
-        num_layers=field("num_hidden_layers"),
-        num_heads=num_heads,
-        num_kv_heads=field("num_key_value_heads", default=num_heads),
-        head_dim=field("head_dim", default=hidden_size // num_heads),
-        hidden_size=hidden_size,
-        intermediate_size=field("intermediate_size"),
-        vocab_size=field("vocab_size"),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        max_position_embeddings=field("max_position_embeddings", required=False),
-    )
+    return config, where
 
 
 # -- bytes ----------------------------------------------------------------------------------

@@ -221,8 +221,6 @@ def test_text_table():
 def test_the_runnable_config_and_the_memory_spec_read_one_shape():
     """ModelConfig.spec() (the engine's view) equals what chapter 1's reader makes of the same
     config.json, for both shipped models."""
-    import json
-
     from kvlab.engine.llm import DEFAULT_MODEL
     from kvlab.models import ModelConfig
 
@@ -230,4 +228,89 @@ def test_the_runnable_config_and_the_memory_spec_read_one_shape():
         raw = json.loads((folder / "config.json").read_text())
         got = ModelConfig.from_hf(raw).spec()
         want = acc.spec_from_hf_config(raw, name=got.name)
-        assert got == want
+        assert got == want and got.dtype == want.dtype == "bfloat16"
+
+
+# Published configs, trimmed to the keys that matter here (and the ones the runnable reader checks).
+HF_CONFIGS = {
+    "llama-3-8b": LLAMA_3_8B_CONFIG | {"rope_theta": 500000.0, "hidden_act": "silu"},
+    "llama-3-70b": LLAMA_3_8B_CONFIG | {"hidden_size": 8192, "intermediate_size": 28672, "num_attention_heads": 64,
+                                        "num_hidden_layers": 80, "rope_theta": 500000.0},
+    "qwen2-0.5b (tied)": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896,
+                          "intermediate_size": 4864, "num_attention_heads": 14, "num_hidden_layers": 24,
+                          "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 32768,
+                          "tie_word_embeddings": True, "sliding_window": 32768, "use_sliding_window": False,
+                          "max_window_layers": 24, "rope_theta": 1000000.0, "torch_dtype": "bfloat16"},
+    "mistral-7b-v0.3": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
+                        "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+                        "num_key_value_heads": 8, "vocab_size": 32768, "max_position_embeddings": 32768,
+                        "sliding_window": None, "rope_theta": 1000000.0, "torch_dtype": "bfloat16"},
+    "mistral-nemo (head_dim given)": {"architectures": ["MistralForCausalLM"], "hidden_size": 5120, "head_dim": 128,
+                                      "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 40,
+                                      "num_key_value_heads": 8, "vocab_size": 131072,
+                                      "max_position_embeddings": 1024000, "dtype": "bfloat16"},
+    "optional keys left out": {"model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+                               "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 1000},
+}
+
+
+def _shape(spec) -> dict:
+    """Every field but the name and the context length (dtype included, which == leaves out)."""
+    return {k: v for k, v in vars(spec).items() if k not in ("name", "max_position_embeddings")}
+
+
+@pytest.mark.parametrize("name", HF_CONFIGS)
+def test_both_readers_agree(name):
+    """ModelConfig.from_hf takes its shape from spec_from_hf_config: the two views of one config agree."""
+    from kvlab.models import ModelConfig
+
+    raw = HF_CONFIGS[name]
+    spec = acc.spec_from_hf_config(raw)
+    config = ModelConfig.from_hf(raw)
+    got = config.spec()
+    assert _shape(got) == _shape(spec)
+    # a runnable model needs a context length: 2048 when the config does not say
+    assert got.max_position_embeddings == (spec.max_position_embeddings or 2048) == config.max_position_embeddings
+    if name == "optional keys left out":
+        assert spec.num_kv_heads == 4 and spec.head_dim == 64 and not spec.tie_word_embeddings
+        assert spec.max_position_embeddings is None and spec.dtype is None
+    if name.startswith("qwen2"):
+        assert spec.tie_word_embeddings and config.attention_bias
+    if name.startswith("mistral-nemo"):
+        assert spec.head_dim == 128 != spec.hidden_size // spec.num_heads and spec.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("change, key", [
+    ({"num_hidden_layers": None}, "num_hidden_layers"),
+    ({"num_attention_heads": None}, "num_attention_heads"),
+    ({"hidden_size": None}, "hidden_size"),
+    ({"intermediate_size": None}, "intermediate_size"),
+    ({"vocab_size": None}, "vocab_size"),
+    ({"num_key_value_heads": "8"}, "num_key_value_heads"),
+    ({"num_key_value_heads": 0}, "num_key_value_heads"),
+    ({"num_key_value_heads": 5}, "num_key_value_heads"),      # 32 heads are not a multiple of 5
+    ({"head_dim": -1}, "head_dim"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings"),
+    ({"num_hidden_layers": 2.5}, "num_hidden_layers"),
+    ({"torch_dtype": 16}, "torch_dtype"),
+    ({"torch_dtype": None, "dtype": ["bf16"]}, "'dtype'"),
+])
+def test_a_bad_config_names_the_key_in_both_readers(change, key):
+    from kvlab.models import ModelConfig
+
+    raw = {k: v for k, v in (LLAMA_3_8B_CONFIG | change).items() if v is not None}
+    with pytest.raises(ValueError, match=key):
+        acc.spec_from_hf_config(raw)
+    with pytest.raises(ValueError, match=key):
+        ModelConfig.from_hf(raw)
+
+
+def test_accounting_does_not_load_the_model_code():
+    """Chapter 1's module stays light: reading a config's shape does not import kvlab.models."""
+    import subprocess
+    import sys
+
+    code = ("import sys, kvlab.accounting as acc; acc.spec_from_hf_config(%r); "
+            "print(sorted(m for m in sys.modules if m.startswith('kvlab.models')))" % LLAMA_3_8B_CONFIG)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

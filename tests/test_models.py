@@ -99,7 +99,7 @@ def test_qwen2_has_qkv_bias_and_no_output_bias():
              sliding_window=32, max_window_layers=0), ["sliding_window"]),
     (hf_dict(hidden_act="gelu"), ["hidden_act", "gelu"]),
     (hf_dict(partial_rotary_factor=0.5), ["partial_rotary_factor"]),
-    (hf_dict(num_key_value_heads=3), ["num_kv_heads"]),
+    (hf_dict(num_key_value_heads=3), ["num_key_value_heads"]),
     (hf_dict(vocab_size=None), ["vocab_size"]),
 ])
 def test_unsupported_configs_raise_clear_errors(cfg, words):

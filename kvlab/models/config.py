@@ -1,8 +1,10 @@
 """ModelConfig: the shape of a Llama-family decoder, read from a Hugging Face ``config.json``.
 
-Three architectures share one decoder (RMSNorm, rotary positions, grouped-query attention,
-SwiGLU MLP) and differ only in small switches, which :meth:`ModelConfig.from_hf` turns
-into fields:
+The shape (layers, heads, sizes, context length, dtype) is read by chapter 1's
+:func:`kvlab.accounting.spec_from_hf_config`, the one reader of a config's shape;
+:meth:`ModelConfig.from_hf` adds what running the model needs. Three architectures share one
+decoder (RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP) and differ only in
+small switches, which it turns into fields:
 
 =====================  ===========================================================
 ``LlamaForCausalLM``   ``attention_bias`` puts a bias on q/k/v *and* o (default off)
@@ -22,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from kvlab.accounting import ModelSpec, spec_from_hf_config
 from kvlab.validation import check_count
 
 SUPPORTED_ARCHITECTURES = {
@@ -31,12 +34,11 @@ SUPPORTED_ARCHITECTURES = {
 }
 SUPPORTED_ROPE_TYPES = ("linear", "llama3", "yarn", "dynamic")
 DEFAULT_ROPE_THETA = 10000.0
-
-
-def _require(cfg: dict, key: str):
-    if key not in cfg or cfg[key] is None:
-        raise ValueError(f"config.json has no {key!r}: it is required")
-    return cfg[key]
+DEFAULT_MAX_POSITIONS = 2048   # when a config.json does not say (transformers' LlamaConfig default)
+# The fields a ModelConfig shares with chapter 1's ModelSpec, by the same names (and
+# max_position_embeddings, which a ModelSpec may leave None).
+SHAPE_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "hidden_size", "intermediate_size",
+                "vocab_size", "tie_word_embeddings")
 
 
 def _positive_int(name: str, value) -> int:
@@ -62,7 +64,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = DEFAULT_ROPE_THETA
     rope_scaling: dict | None = None  # None, or {"rope_type": "linear" | "llama3" | "yarn" | "dynamic", ...}
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = DEFAULT_MAX_POSITIONS
     tie_word_embeddings: bool = False
     attention_bias: bool = False      # biases on q_proj, k_proj, v_proj
     attention_out_bias: bool = False  # a bias on o_proj (Llama's attention_bias sets both)
@@ -102,14 +104,11 @@ class ModelConfig:
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.vocab_size * h + self.num_layers * per_layer + h + head
 
-    def spec(self):
+    def spec(self) -> ModelSpec:
         """The same shape as chapter 1's :class:`kvlab.accounting.ModelSpec` (what memory
         accounting reads): one shape, two views."""
-        from kvlab.accounting import ModelSpec
-
-        return ModelSpec(self.architecture, self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim,
-                         self.hidden_size, self.intermediate_size, self.vocab_size, self.tie_word_embeddings,
-                         self.max_position_embeddings)
+        return ModelSpec(name=self.architecture, **{name: getattr(self, name) for name in SHAPE_FIELDS},
+                         max_position_embeddings=self.max_position_embeddings, dtype=self.torch_dtype)
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -120,7 +119,11 @@ class ModelConfig:
     # -- HF config.json -----------------------------------------------------------------
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Read a HF ``config.json`` dict; raise ValueError naming any field we cannot honour."""
+        """Read a HF ``config.json`` dict; raise ValueError naming any field we cannot honour.
+
+        The shape comes from :func:`kvlab.accounting.spec_from_hf_config`; this adds the
+        architecture's switches, RoPE, norms and token ids, and refuses what the decoder cannot run.
+        """
         archs = cfg.get("architectures") or []
         if not archs:
             by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
@@ -137,11 +140,8 @@ class ModelConfig:
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"config field 'hidden_act' is {act!r}: only 'silu' (SwiGLU) is supported")
-        num_heads = _positive_int("num_attention_heads", _require(cfg, "num_attention_heads"))
-        hidden = _positive_int("hidden_size", _require(cfg, "hidden_size"))
-        head_dim = cfg.get("head_dim") or hidden // num_heads
-        num_kv_heads = cfg.get("num_key_value_heads") or num_heads
-        max_pos = cfg.get("max_position_embeddings", 2048)
+        shape = spec_from_hf_config(cfg, name=arch)
+        max_pos = shape.max_position_embeddings or DEFAULT_MAX_POSITIONS
 
         # RoPE: older configs keep rope_theta at the top and the scaling in rope_scaling; newer
         # ones put both in rope_parameters.
@@ -174,24 +174,17 @@ class ModelConfig:
                  "layer_types", "partial_rotary_factor"}
         return cls(
             architecture=arch,
-            vocab_size=_require(cfg, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_require(cfg, "intermediate_size"),
-            num_layers=_require(cfg, "num_hidden_layers"),
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            **{name: getattr(shape, name) for name in SHAPE_FIELDS},
+            max_position_embeddings=max_pos,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qkv_bias,
             attention_out_bias=o_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
-            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            torch_dtype=shape.dtype,
             extra={k: v for k, v in cfg.items() if k not in known},
         )
 
