@@ -52,7 +52,7 @@ import shutil
 import sys
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -66,49 +66,51 @@ EOT = "<|endoftext|>"
 PROMPTS = ["def __init__(self", "import os\n", "for i in range(", "class Queue:\n    def ", "    return "]
 
 
+VOCAB_SIZE, SMOKE_VOCAB_SIZE = 8192, 400
+
+
+def tiny_llama(hidden_size: int, intermediate_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+               head_dim: int = 64, max_position_embeddings: int = 2048, vocab_size: int = VOCAB_SIZE) -> ModelConfig:
+    """The course's model family: Llama, tied embeddings, token 0 (``<|endoftext|>``) as BOS and EOS, bf16."""
+    return ModelConfig(
+        architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, torch_dtype="bfloat16")
+
+
 @dataclass
 class Recipe:
-    """One model's shape and training schedule."""
+    """One model's shape (a :class:`ModelConfig`) and training schedule."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    model: ModelConfig
     steps: int
     batch_size: int          # sequences per step
     seq_len: int             # tokens per sequence
     lr: float
     warmup: int
-    max_position_embeddings: int = 2048
     weight_decay: float = 0.1
     min_lr_ratio: float = 0.1
 
     def model_config(self, vocab_size: int, eot_id: int) -> ModelConfig:
-        return ModelConfig(
-            architecture="LlamaForCausalLM", vocab_size=vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=self.num_layers, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=1e-5, rope_theta=10000.0,
-            max_position_embeddings=self.max_position_embeddings, tie_word_embeddings=True,
-            bos_token_id=eot_id, eos_token_id=eot_id, torch_dtype="bfloat16")
+        """The model to train, for the trained tokenizer's vocabulary and end-of-text token."""
+        return replace(self.model, vocab_size=vocab_size, bos_token_id=eot_id, eos_token_id=eot_id)
 
 
 RECIPES = {
-    "target": Recipe(hidden_size=384, intermediate_size=1024, num_layers=8, num_heads=8, num_kv_heads=2,
-                     head_dim=64, steps=1300, batch_size=16, seq_len=1024, lr=2e-3, warmup=100),
-    "draft": Recipe(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=2, num_kv_heads=1,
-                    head_dim=64, steps=1000, batch_size=64, seq_len=1024, lr=3e-3, warmup=100),
+    "target": Recipe(tiny_llama(hidden_size=384, intermediate_size=1024, num_layers=8, num_heads=8, num_kv_heads=2),
+                     steps=1300, batch_size=16, seq_len=1024, lr=2e-3, warmup=100),
+    "draft": Recipe(tiny_llama(hidden_size=128, intermediate_size=384, num_layers=4, num_heads=2, num_kv_heads=1),
+                    steps=1000, batch_size=64, seq_len=1024, lr=3e-3, warmup=100),
 }
 SMOKE_RECIPES = {
-    "target": Recipe(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
-                     head_dim=32, steps=6, batch_size=4, seq_len=64, lr=3e-3, warmup=2,
-                     max_position_embeddings=256),
-    "draft": Recipe(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=1, num_kv_heads=1,
-                    head_dim=32, steps=4, batch_size=4, seq_len=64, lr=3e-3, warmup=1,
-                    max_position_embeddings=256),
+    "target": Recipe(tiny_llama(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
+                                head_dim=32, max_position_embeddings=256, vocab_size=SMOKE_VOCAB_SIZE),
+                     steps=6, batch_size=4, seq_len=64, lr=3e-3, warmup=2),
+    "draft": Recipe(tiny_llama(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=1, num_kv_heads=1,
+                               head_dim=32, max_position_embeddings=256, vocab_size=SMOKE_VOCAB_SIZE),
+                    steps=4, batch_size=4, seq_len=64, lr=3e-3, warmup=1),
 }
-VOCAB_SIZE, SMOKE_VOCAB_SIZE = 8192, 400
 
 
 # -- corpus -----------------------------------------------------------------------------
@@ -235,8 +237,8 @@ def train_one(name: str, recipe: Recipe, config: ModelConfig, train_data, val_ba
     compile_model = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
     loss_fn = make_loss_fn(model, compile_model)
     gen = torch.Generator().manual_seed(args.seed + (10 if name == "target" else 11))
-    entry = {"params": model.num_parameters(), "recipe": asdict(recipe), "compiled": compile_model,
-             "curve": [], "stopped_early": False}
+    entry = {"params": model.num_parameters(), "recipe": asdict(replace(recipe, model=config)),
+             "compiled": compile_model, "curve": [], "stopped_early": False}
     tokens_per_step = recipe.batch_size * recipe.seq_len
     print(f"\n== {name}: {entry['params'] / 1e6:.2f}M parameters, {recipe.steps} steps of "
           f"{tokens_per_step} tokens on {device} ==", flush=True)
@@ -372,7 +374,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True
-    recipes = {k: Recipe(**asdict(r)) for k, r in (SMOKE_RECIPES if args.smoke else RECIPES).items()}
+    recipes = {k: replace(r) for k, r in (SMOKE_RECIPES if args.smoke else RECIPES).items()}
     for name, r in recipes.items():
         steps = getattr(args, f"{name}_steps") or args.steps
         if steps is not None:
@@ -471,7 +473,7 @@ def _write_model_card(out: Path, log: dict, stdlib: Path | None) -> None:
              "Two small Llama-style decoders (`LlamaForCausalLM`, HF format, bf16) that share one",
              "byte-level BPE tokenizer, trained by `python -m kvlab.train` for the kvlab course.", ""]
     for name, m in log["models"].items():
-        r = m["recipe"]
+        r = m["recipe"]["model"]
         lines.append(f"- **{name}**: {m['params'] / 1e6:.2f}M parameters, {r['num_layers']} layers, hidden "
                      f"{r['hidden_size']}, {r['num_heads']} query / {r['num_kv_heads']} KV heads of "
                      f"{r['head_dim']}, {m['tokens_seen'] / 1e6:.0f}M training tokens, validation loss "

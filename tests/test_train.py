@@ -1,11 +1,14 @@
 """The training script end to end, in its CPU smoke mode: train, save, load back, generate."""
 import json
+from pathlib import Path
 
 import torch
 
 import kvlab  # noqa: F401  (profile first)
 from kvlab import train
 from kvlab.models import load_model
+
+WEIGHTS = Path(train.__file__).parent / "models" / "weights"
 
 
 def test_smoke_training_saves_loadable_models(tmp_path, capsys):
@@ -16,6 +19,7 @@ def test_smoke_training_saves_loadable_models(tmp_path, capsys):
     for name in ("target", "draft"):
         entry = log["models"][name]
         assert entry["steps_done"] == entry["recipe"]["steps"] and not entry["stopped_early"]
+        assert entry["recipe"]["model"]["num_layers"] == train.SMOKE_RECIPES[name].model.num_layers
         losses = [p["loss"] for p in entry["curve"]]
         assert len(losses) == entry["steps_done"] and all(l == l and l < 10 for l in losses)  # finite
         model, tok, config = load_model(tmp_path / train.checkpoint_folder(name))
@@ -40,6 +44,17 @@ def test_the_recipes_fit_the_brief():
     sizes = {name: r.model_config(train.VOCAB_SIZE, 0).num_params for name, r in train.RECIPES.items()}
     assert 5e6 <= sizes["target"] <= 20e6 and 1e6 <= sizes["draft"] <= 2e6
     assert 2 * sum(sizes.values()) <= 40e6
+
+
+def test_a_recipe_holds_the_shipped_models_config():
+    """A recipe's shape is a ModelConfig: with the tokenizer's vocabulary it is the shipped config.json."""
+    from kvlab.models import ModelConfig
+
+    for name, recipe in train.RECIPES.items():
+        folder = WEIGHTS / train.checkpoint_folder(name)
+        shipped = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        made = recipe.model_config(shipped.vocab_size, shipped.eos_token_id)
+        assert made.to_dict() | {"extra": {}} == shipped.to_dict() | {"extra": {}}, name
 
 
 def test_the_tokenizer_is_reproducible():
