@@ -36,9 +36,9 @@ STUBS = types.SimpleNamespace(split_ranges=stub, split_pages=stub, merge_splits=
                               merge_with_kernel=given.merge_with(stub_kernel))
 
 
-def serve(llm, prompts=PROMPTS) -> list[list[int]]:
-    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert [o.error for o in outs] == [None] * len(prompts)
+def serve(llm) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(PROMPTS)
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -89,7 +89,7 @@ def test_stubs_are_found_and_fall_back_to_the_courses_pieces(reference):
     use_my_decoding = given.my_decoding_user(STUBS.split_ranges, STUBS.split_pages, STUBS.merge_splits,
                                              STUBS.merge_with_kernel)
     llm = use_my_decoding(given.written_pieces(STUBS), **given.ENGINE_SETTINGS)
-    assert serve(llm, PROMPTS[:1]) == reference[:1]
+    assert serve(llm) == reference
 
 
 def test_a_stub_plugged_in_fails_the_request_with_its_message(answers):

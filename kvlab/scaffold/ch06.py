@@ -75,7 +75,8 @@ def decoding_backend_with(split_ranges, split_pages, merge_splits, merge_with_ke
       launch of ``merge_with_kernel`` merges every sequence's splits.
     * Any other step (prompt chunks): a sequence's new tokens attend to its cached prefix and,
       causally, to themselves, as two splits merged by ``merge_splits`` (the first chunk of a
-      prompt has no prefix: an empty split).
+      prompt has no prefix: an empty split). With ``merge_splits=None`` they attend to all
+      their keys as one split, with nothing to merge.
     """
 
     def read(cache, table, start, end):
@@ -99,6 +100,10 @@ def decoding_backend_with(split_ranges, split_pages, merge_splits, merge_with_ke
         for table, seq_len, query_len in zip(tables, lens, query_lens.tolist()):
             queries, cached = q[first:first + query_len], seq_len - query_len
             first += query_len
+            if merge_splits is None:
+                keys, values = read(k_cache, table, 0, seq_len), read(v_cache, table, 0, seq_len)
+                out.append(attend(queries, keys, values, sm_scale, True)[0])
+                continue
             prefix = attend(queries, read(k_cache, table, 0, cached), read(v_cache, table, 0, cached), sm_scale, False)
             new = attend(queries, read(k_cache, table, cached, seq_len), read(v_cache, table, cached, seq_len),
                          sm_scale, True)
@@ -118,8 +123,8 @@ def my_decoding_user(split_ranges, split_pages, merge_splits, merge_with_kernel)
         """An ``LLM`` (``settings`` as ``LLM``'s) whose attention runs your ``pieces``.
 
         ``pieces``: a subset of ``PIECES``; the others are the course's
-        (``kvlab.kernel_plan.split_token_ranges`` and ``pages_read``, and for both merges the
-        course's ``merge_splits_kernel``). The backend (``decoding_backend_with``) goes in
+        (``kvlab.kernel_plan.split_token_ranges`` and ``pages_read``, its ``merge_splits_kernel``;
+        without ``merge_splits``, prompt chunks are not split). The backend (``decoding_backend_with``) goes in
         through the engine's plug-in point, ``LLM(attention_backend=...)``.
         """
         unknown = set(pieces) - set(PIECES)
@@ -130,7 +135,7 @@ def my_decoding_user(split_ranges, split_pages, merge_splits, merge_with_kernel)
         backend = decoding_backend_with(
             split_ranges if "split_ranges" in pieces else kernel_plan.split_token_ranges,
             split_pages if "split_pages" in pieces else kernel_plan.pages_read,
-            merge_splits if "merge_splits" in pieces else course_merge_with_kernel,
+            merge_splits if "merge_splits" in pieces else None,
             merge_with_kernel if "merge_splits_kernel" in pieces else course_merge_with_kernel)
         return LLM(attention_backend=backend, **settings)
 
