@@ -6,9 +6,10 @@ Causal, bf16, 32 heads. Peers in the same run: SDPA with the flash backend (Flas
 and the cuDNN backend (FlashAttention-3 class on Hopper), and naive attention (the score
 matrix written out, softmax, product) where it fits. ``kvlab_paged`` is ``paged_prefill`` with
 every key and value read through shuffled block tables (block size 16), on the same numbers;
-``kvlab_paged_new`` is the engine's call, which hands the kernel the step's own K/V
-(``k_new``/``v_new``) and reads only the cached prefix through the table: in a plain prefill,
-none. TFLOP/s count the causal half of the two matrix products: 2 * 2 * batch * heads * L^2 * D / 2.
+``kvlab_paged_new`` hands the kernel the step's own K/V (``k_new``/``v_new``) and reads only
+the cached prefix through the table: in a plain prefill, none. The engine's call is whichever
+of the two ``kvlab.models.backends.reads_new_kv`` picks for the step (``engine_vs_contiguous``):
+the new K/V for fresh prompts, every key through the table for extends. TFLOP/s count the causal half of the two matrix products: 2 * 2 * batch * heads * L^2 * D / 2.
 
 Extends (``EXTENDS``: ``new`` tokens onto a cached prefix of ``prefix``) put most keys behind
 the block table in both paged modes; they are compared with ``flash_attention`` on the same
@@ -108,7 +109,15 @@ def measure(batch, length, dim) -> dict:
     row["vs_flash"] = round(row["kvlab"] / row["sdpa_flash"], 3)
     row["paged_vs_contiguous"] = round(row["kvlab_paged"] / row["kvlab"], 3)
     row["paged_new_vs_contiguous"] = round(row["kvlab_paged_new"] / row["kvlab"], 3)
+    row["engine_vs_contiguous"] = engine_ratio(row, length, length)
     return row
+
+
+def engine_ratio(row: dict, max_seq_len: int, max_query_len: int) -> float:
+    """The engine's call over the contiguous kernel: the paged mode the backend picks for the step."""
+    from kvlab.models.backends import reads_new_kv
+
+    return row["paged_new_vs_contiguous" if reads_new_kv(max_seq_len, max_query_len) else "paged_vs_contiguous"]
 
 
 def measure_extend(batch, prefix, new, dim) -> dict:
@@ -136,6 +145,7 @@ def measure_extend(batch, prefix, new, dim) -> dict:
         row[name] = round(flops / bench(fn) / 1e12, 1)
     row["paged_vs_contiguous"] = round(row["kvlab_paged"] / row["kvlab"], 3)
     row["paged_new_vs_contiguous"] = round(row["kvlab_paged_new"] / row["kvlab"], 3)
+    row["engine_vs_contiguous"] = engine_ratio(row, total, new)
     return row
 
 
@@ -175,7 +185,7 @@ def main() -> None:
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']} (TFLOP/s, causal, bf16, {HEADS} heads)")
     print_table(rows, ["batch", "seq_len", "head_dim", "kvlab", "kvlab_paged", "kvlab_paged_new", "sdpa_flash",
                        "sdpa_cudnn", "naive", "vs_cudnn", "vs_flash", "paged_vs_contiguous", "paged_new_vs_contiguous",
-                       "err_kvlab", "err_paged", "err_paged_new"])
+                       "engine_vs_contiguous", "err_kvlab", "err_paged", "err_paged_new"])
     print_table(extends, list(extends[0]))
     print_table(memory, ["seq_len", "kvlab_bytes", "naive_bytes"])
     save("flash_attention", {"env": env, "rows": rows, "extends": extends, "memory": memory}, args.out)

@@ -215,11 +215,13 @@ def _load_paged_kv(k_cache_ptr, v_cache_ptr, pages, start_n, len_k, kv_head,
     if BLOCK_N % BLOCK_SIZE == 0 and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
         # The tile is whole pages: one table read per page, handed to the page's keys (on an
         # H200 5-10% faster than a read per key).
+        # (start_n is a multiple of the page size here, so a key's place in its page is known at
+        # compile time: no modulo per key.)
         PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
         page = tl.reshape(tl.broadcast_to(pages[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,))
+        slot = page.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_N) % BLOCK_SIZE
     else:
-        page = pages
-    slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        slot = pages.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
     # A slot holds all KV heads of one token; this head's row is HEAD_DIM contiguous elements.
     offs = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     if MASKED:
@@ -241,10 +243,11 @@ def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table
     """``_attend_keys`` for keys in the paged cache: the same two ranges of tiles, each tile's
     keys found through the block table (``len_k``: the keys that exist)."""
     offs_n = tl.arange(0, BLOCK_N)
-    # The table entries are read one tile ahead. Read at the top of the iteration that uses them,
-    # they sit on the critical path: table read, then address, then the gather of K/V, with
-    # nothing to overlap. Carried over from the previous iteration, the gather can start at once
-    # (on an H200 this took extends from 0.72-0.85 to 0.88-0.97 of the contiguous kernel).
+    # In the long unmasked range the table entries are read one tile ahead. Read at the top of
+    # the iteration that uses them, they sit on the critical path: table read, then address, then
+    # the gather of K/V, with nothing to overlap. Carried over from the previous iteration, the
+    # gather can start at once (on an H200 this took extends from 0.72-0.85 to 0.88-0.97 of the
+    # contiguous kernel). The masked tiles, one or two, read their own.
     pages = _tile_pages(table_ptr, 0, len_k, BLOCK_SIZE, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
         next_pages = _tile_pages(table_ptr, start_n + BLOCK_N, len_k, BLOCK_SIZE, BLOCK_N)
@@ -254,12 +257,34 @@ def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table
                                      MASKED=False, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
         pages = next_pages
     for start_n in range(full_end, end, BLOCK_N):
-        next_pages = _tile_pages(table_ptr, start_n + BLOCK_N, len_k, BLOCK_SIZE, BLOCK_N)
-        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, pages, start_n, len_k, kv_head,
-                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, MASKED=True)
+        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, _tile_pages(table_ptr, start_n, len_k, BLOCK_SIZE, BLOCK_N),
+                              start_n, len_k, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, MASKED=True)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
                                      MASKED=True, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, prefix_len, qk_scale,
+                   BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold a cached prefix of ``prefix_len`` keys, read through the block table, into the running
+    softmax. Every new token sees all of it: whole tiles unmasked, then at most one ragged tile."""
+    offs_n = tl.arange(0, BLOCK_N)
+    full_end = (prefix_len // BLOCK_N) * BLOCK_N
+    pages = _tile_pages(table_ptr, 0, prefix_len, BLOCK_SIZE, BLOCK_N)    # read a tile ahead, as above
+    for start_n in range(0, full_end, BLOCK_N):
+        next_pages = _tile_pages(table_ptr, start_n + BLOCK_N, prefix_len, BLOCK_SIZE, BLOCK_N)
+        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, pages, start_n, prefix_len, kv_head,
+                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, MASKED=False)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, prefix_len, 0, qk_scale,
+                                     MASKED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
         pages = next_pages
+    if full_end < prefix_len:
+        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, pages, full_end, prefix_len, kv_head,
+                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, MASKED=True)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, full_end + offs_n, prefix_len, 0, qk_scale,
+                                     MASKED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -310,10 +335,9 @@ def paged_prefill_kernel(
         # cached prefix goes through the block table. Every new token sees the whole prefix (no
         # causal mask; only its ragged last tile is masked), and the new tokens attend causally
         # to each other, tiles straight from k_new/v_new. A plain prefill reads no page at all.
-        prefix_len = seq_len - len_q
-        acc, m_i, l_i = _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
-                                           (prefix_len // BLOCK_N) * BLOCK_N, prefix_len, prefix_len, 0, qk_scale,
-                                           False, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+        acc, m_i, l_i = _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
+                                       seq_len - len_q, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+                                       DOT_PRECISION)
         full_end, end, shift = _causal_bounds(start_m, len_q, len_q, BLOCK_M, BLOCK_N, True)
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, offs_m, k_new_desc, v_new_desc, seq, kv_head, q_start,
                                      full_end, end, len_q, shift, qk_scale, True, True, BLOCK_N, HEAD_DIM,
