@@ -15,9 +15,11 @@ from kvlab.reference import attention_ref, gather_kv
 PIECES = ("chunked_attention", "online_softmax_update", "causal_tile_bounds")
 BLOCK_M = BLOCK_N = 16          # the tiles the engine's attention runs with
 # The engine of the chapter's last section: the course's smaller model (4 layers, 2 query heads
-# over 1 KV head), so that Triton's CPU interpreter keeps up; prompts go in chunks of 8 tokens,
+# over 1 KV head), so that Triton's CPU interpreter keeps up, in float32 on a GPU too (as the given
+# attention computes, so that the two engines' tokens compare); prompts go in chunks of 8 tokens,
 # so most chunks extend a cached prefix (chapter 8 schedules such chunks).
-ENGINE_SETTINGS = {"model": DEFAULT_DRAFT_MODEL, "max_model_len": 128, "long_prefill_token_threshold": 8}
+ENGINE_SETTINGS = {"model": DEFAULT_DRAFT_MODEL, "dtype": "float32", "max_model_len": 128,
+                   "long_prefill_token_threshold": 8}
 
 
 @triton.jit

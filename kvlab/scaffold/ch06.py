@@ -12,9 +12,11 @@ from kvlab.kernels.paged_decode import merge_splits_kernel as course_merge_split
 PIECES = ("split_ranges", "split_pages", "merge_splits", "merge_splits_kernel")
 NUM_SPLITS, BLOCK_N = 4, 16     # every decode step cuts each sequence into 4 splits of whole 16-token tiles
 # The engine of the chapter's last section: the course's smaller model (4 layers, 2 query heads
-# over 1 KV head), so that Triton's CPU interpreter keeps up; prompts go in chunks of 8 tokens,
+# over 1 KV head), so that Triton's CPU interpreter keeps up, in float32 on a GPU too (as the given
+# attention computes, so that the two engines' tokens compare); prompts go in chunks of 8 tokens,
 # so most chunks have a cached prefix to merge with (chapter 8 schedules such chunks).
-ENGINE_SETTINGS = {"model": DEFAULT_DRAFT_MODEL, "max_model_len": 128, "long_prefill_token_threshold": 8}
+ENGINE_SETTINGS = {"model": DEFAULT_DRAFT_MODEL, "dtype": "float32", "max_model_len": 128,
+                   "long_prefill_token_threshold": 8}
 
 
 def merge_with(merge_splits_kernel):
