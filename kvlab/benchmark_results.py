@@ -82,7 +82,7 @@ def load_results(name: str, path=None) -> tuple[object, Path] | None:
 # -- chapter 5: bench_flash_attention.py ------------------------------------------------------
 BENCH_COLUMNS = {"kvlab": "kvlab flash_attention",
                  "kvlab_paged": "kvlab paged_prefill, every key through the table",
-                 "kvlab_paged_new": "kvlab paged_prefill, new K/V given (engine)",
+                 "kvlab_paged_new": "kvlab paged_prefill, new K/V given",
                  "sdpa_flash": "SDPA flash (FA-2)", "sdpa_cudnn": "SDPA cuDNN",
                  "naive": "naive (scores in memory)"}
 PAGED_COLUMNS = ("kvlab_paged", "kvlab_paged_new")     # paged_prefill's two ways of reading keys
