@@ -8,8 +8,8 @@ Poisson request trace replayed in real time.
   = 32,768 (Llama 3.1's context) so that 16K-token prompts fit. ``--tiny``: the shipped tiny
   model (``LLM()``'s, context 2,048) and every length of the mix scaled by ``--scale``.
 * The trace (:func:`kvlab.workloads.serving.poisson_trace`): ``--requests`` Poisson arrivals,
-  :class:`~kvlab.workloads.serving.LengthMix`'s defaults (chats of 50-1,000 prompt tokens, 20%
-  prompts of 8K-16K tokens, answers of 16-1,024 tokens), seed ``--seed``; greedy, no early stop.
+  :class:`~kvlab.workloads.serving.LengthMix`'s defaults (chats of 50-1,000 prompt and 50-400
+  output tokens, 10% prompts of 8K-16K tokens), seed ``--seed``; greedy, no early stop.
 * Its rate: ``--load`` times the continuous engine's capacity, measured first by serving
   ``--capacity-requests`` requests of the same mix that all arrive at once:
   requests / time to serve them all.
@@ -205,6 +205,8 @@ def parse_args(argv=None):
                              "(2048 times --scale)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--long-share", type=float, default=None, help="share of long prompts (the mix's default)")
+    parser.add_argument("--output-lengths", default=None,
+                        help="LO,HI: every answer's length bounds, chats and long prompts (the mix's default)")
     parser.add_argument("--only", default=None, help="comma-separated config names to run (default: all)")
     parser.add_argument("--name", default="serving", help="the JSON's name: NAME.json")
     args = parser.parse_args(argv)
@@ -235,6 +237,9 @@ def main(argv=None) -> dict:
     mix = LengthMix().scaled(args.scale)
     if args.long_share is not None:
         mix = replace(mix, long_share=args.long_share)
+    if args.output_lengths is not None:
+        lo, hi = (max(1, round(int(n) * args.scale)) for n in args.output_lengths.split(","))
+        mix = replace(mix, short_output=(lo, hi), long_output=(lo, hi))
     if mix.max_tokens > context:
         raise SystemExit(f"the mix reaches {mix.max_tokens} tokens, more than the model's context {context}")
     base = {"max_num_seqs": args.max_num_seqs, "max_model_len": context}

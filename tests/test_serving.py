@@ -41,18 +41,18 @@ def test_trace_rate_and_mix():
     mix = LengthMix()
     long = [r for r in trace if r.prompt_len >= mix.long_prompt[0]]
     short = [r for r in trace if r.prompt_len < mix.long_prompt[0]]
-    assert len(long) / len(trace) == pytest.approx(0.20, abs=0.02)
+    assert len(long) / len(trace) == pytest.approx(0.10, abs=0.02)
     assert all(mix.long_prompt[0] <= r.prompt_len <= mix.long_prompt[1] for r in long)
     assert all(mix.short_prompt[0] <= r.prompt_len <= mix.short_prompt[1] for r in short)
-    assert all(16 <= r.output_len <= 1024 for r in trace)
+    assert all(50 <= r.output_len <= 400 for r in trace)
     # log-uniform: the median chat prompt is near the geometric mean of its bounds (~224)
     assert 170 < np.median([r.prompt_len for r in short]) < 300
     assert [r.request_id for r in trace[:3]] == ["r0", "r1", "r2"]
 
 
 def test_mix_scaling_and_checks():
-    assert SMALL.short_prompt == (3, 62) and SMALL.long_prompt == (512, 1024) and SMALL.short_output == (1, 64)
-    assert SMALL.long_share == 0.20 and SMALL.max_tokens == 1024 + 64
+    assert SMALL.short_prompt == (3, 62) and SMALL.long_prompt == (512, 1024) and SMALL.short_output == (3, 25)
+    assert SMALL.long_share == 0.10 and SMALL.max_tokens == 1024 + 25
     assert LengthMix(long_share=0.0).scaled(1e-6).short_prompt == (1, 1)
     assert not any(r.prompt_len > 1000 for r in poisson_trace(200, 1.0, mix=LengthMix(long_share=0.0)))
     with pytest.raises(ValueError, match="long_share"):

@@ -234,8 +234,8 @@ def test_serving_replay_and_capacity():
 
 def test_experiment_trace_from_the_benchmark_or_made_here():
     payload = {"trace": {"requests": 12, "rate_req_s": 3.0, "seed": 4, "load": 0.9,
-                         "mix": {"short_prompt": [3, 62], "short_output": [1, 64], "long_prompt": [512, 1024],
-                                 "long_output": [1, 64], "long_share": 0.2}}, "rows": []}
+                         "mix": {"short_prompt": [3, 62], "short_output": [3, 25], "long_prompt": [512, 1024],
+                                 "long_output": [3, 25], "long_share": 0.1}}, "rows": []}
     bench = br.serving_benchmark(payload)
     trace, info = experiment_trace(bench)
     assert trace == poisson_trace(12, 3.0, 4, SMALL) and info["source"] == "the GPU run's trace"

@@ -55,16 +55,15 @@ class LengthMix:
 
     A request is long with probability ``long_share``. Each length is drawn log-uniformly
     (every doubling of length equally likely) between the inclusive bounds of its range.
-    Defaults: chats of 50-1,000 prompt tokens; 20% long prompts of 8K-16K tokens (a document
-    to summarise, a long context); answers of 16-1,024 tokens to both (from a line to a page:
-    answer lengths vary by 64x, as real chat answers do, which is what static batching pays for).
+    Defaults: chats of 50-1,000 prompt and 50-400 output tokens; 10% long prompts of 8K-16K
+    tokens (a document to summarise, a long context) with 50-400 output tokens.
     """
 
     short_prompt: tuple[int, int] = (50, 1000)
-    short_output: tuple[int, int] = (16, 1024)
+    short_output: tuple[int, int] = (50, 400)
     long_prompt: tuple[int, int] = (8192, 16384)
-    long_output: tuple[int, int] = (16, 1024)
-    long_share: float = 0.20
+    long_output: tuple[int, int] = (50, 400)
+    long_share: float = 0.10
 
     def __post_init__(self):
         for f in ("short_prompt", "short_output", "long_prompt", "long_output"):
