@@ -8,7 +8,8 @@ Fill in every function that raises NotImplementedError, then grade your work:
 
 Tasks: ``block_pool`` (BlockPool.allocate / append / free), ``slot_mapping``,
 ``write_kv_kernel``. Stuck? ``kvlab.use_solution("ch02")`` swaps in the answer and keeps
-yours as ``exercises/ch02_mine.py``.
+yours as ``exercises/ch02_mine.py``. Done? ``use_my_pieces(llm)`` (given, at the end) serves the
+course's engine on your pieces: notebook 02, section 9.
 """
 import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
 import triton
@@ -16,7 +17,7 @@ import triton.language as tl
 
 from kvlab.errors import OutOfBlocksError, UnknownSequenceError  # noqa: F401  (you will raise these)
 # Given (not tasks), shared with solutions/ch02.py: read kvlab/scaffold/ch02.py.
-from kvlab.scaffold.ch02 import BlockPoolState, write_kv_with
+from kvlab.scaffold.ch02 import PIECES, BlockPoolState, my_pieces_user, write_kv_with  # noqa: F401
 
 
 # -- task block_pool -----------------------------------------------------------------------
@@ -86,3 +87,7 @@ def write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_p
 
 # Given: write_kv(key, value, k_cache, v_cache, slot_mapping) launches your kernel.
 write_kv = write_kv_with(write_kv_kernel)
+
+# Given: use_my_pieces(llm) serves an LLM with your BlockPool, slot_mapping and
+# write_kv_kernel plugged in (kvlab/scaffold/ch02.py says how).
+use_my_pieces = my_pieces_user(BlockPool, slot_mapping, write_kv)

@@ -5,7 +5,7 @@ from kvlab.errors import OutOfBlocksError, UnknownSequenceError
 # The write_kv_kernel answer is the course's own kernel: read kernels/write_kv.py.
 from kvlab.kernels.write_kv import write_kv_kernel
 # Given (not tasks), shared with exercises/ch02.py: read kvlab/scaffold/ch02.py.
-from kvlab.scaffold.ch02 import BlockPoolState, write_kv_with
+from kvlab.scaffold.ch02 import PIECES, BlockPoolState, my_pieces_user, write_kv_with  # noqa: F401
 from kvlab.validation import check_count
 
 
@@ -59,3 +59,7 @@ def slot_mapping(block_table: list[int], start: int, num_tokens: int, block_size
 # -- task write_kv_kernel ------------------------------------------------------------------
 # Given: write_kv(key, value, k_cache, v_cache, slot_mapping) launches the kernel.
 write_kv = write_kv_with(write_kv_kernel)
+
+# Given: use_my_pieces(llm) serves an LLM with your BlockPool, slot_mapping and
+# write_kv_kernel plugged in (kvlab/scaffold/ch02.py says how).
+use_my_pieces = my_pieces_user(BlockPool, slot_mapping, write_kv)
