@@ -92,3 +92,14 @@ def resolve(profile: str | None = None) -> str:
 def pick(cpu, gpu, profile: str | None = None):
     """``gpu`` under the gpu profile, else ``cpu``: ``n = pick(cpu=256, gpu=32_768)``."""
     return gpu if resolve(profile) == "gpu" else cpu
+
+
+def describe() -> str:
+    """One line saying what produced a notebook's outputs: the profile, the device, how Triton runs."""
+    device = DEVICE
+    if DEVICE == "cuda":
+        import torch
+
+        device = f"cuda ({torch.cuda.get_device_name(0)})"
+    triton = "Triton interpreter (CPU)" if INTERPRETED else "Triton compiled"
+    return f"profile {PROFILE}, device {device}, {triton}"

@@ -22,8 +22,9 @@ class EngineConfig:
     """The engine's settings (vLLM's names). ``None`` means "decide from the model and the device".
 
     ``block_size``: tokens per KV block. ``num_gpu_blocks``: the cache's size in blocks (default:
-    what ``gpu_memory_utilization`` of the GPU leaves once weights, activations and CUDA graphs
-    are paid for; on the CPU, ``max_num_seqs`` sequences of ``max_model_len``).
+    ``max_num_seqs`` sequences of ``max_model_len``, or less where the GPU has less: what
+    ``gpu_memory_utilization`` of it leaves once weights, activations and CUDA graphs are paid
+    for).
     ``max_num_seqs``, ``max_num_batched_tokens``: the limits of one step. ``max_model_len``:
     the longest sequence (default: the model's context). ``enable_prefix_caching``: reuse
     cached blocks of identical prefixes. ``enforce_eager``: never use CUDA graphs.

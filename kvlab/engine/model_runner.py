@@ -106,14 +106,16 @@ class ModelRunner:
     def default_num_blocks(self, gpu_memory_utilization: float, max_num_seqs: int, max_num_batched_tokens: int,
                            max_graph_batch: int = 0) -> int:
         # extra_block_bytes: what each block costs elsewhere (a draft model's cache of as many blocks)
+        # Never more blocks than max_num_seqs full-length sequences can fill. (vLLM takes the whole
+        # budget; capping it lets a notebook keep several small engines in one process.)
         per_block = block_bytes(self.config, self.block_size, self.model.dtype) + self.extra_block_bytes
+        wanted = max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
         if self.device.type == "cuda":
             budget = self._gpu_kv_budget(gpu_memory_utilization, max_num_batched_tokens, max_graph_batch)
             if budget < per_block:
                 raise ValueError(f"no GPU memory left for the KV cache at gpu_memory_utilization="
                                  f"{gpu_memory_utilization}: raise it, or pass num_gpu_blocks")
-            return int(budget // per_block)
-        wanted = max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
+            return int(min(wanted, budget // per_block))
         return max(1, min(wanted, CPU_KV_CACHE_BYTES // per_block))
 
     def _gpu_kv_budget(self, utilization: float, max_num_batched_tokens: int, max_graph_batch: int) -> float:
