@@ -313,3 +313,27 @@ def test_rotary_write_kv_refuses_bad_input_and_writes_nothing(overrides, error, 
         rotary_write_kv(**args)
     for got, want in zip((qkv, args["k_cache"], args["v_cache"]), before):
         assert_bits_equal(got, want)
+
+
+def test_rope_and_write_kv_keeps_every_row_beside_padding_slots():
+    """The model's own write (PyTorch on the CPU): a -1 slot writes nothing, but the rotated
+    q and k it returns keep every row, aligned with the step's tokens."""
+    from kvlab.models.ops import rope_and_write_kv
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = randn(4, 2, 16, gen=gen), randn(4, 1, 16, gen=gen), randn(4, 1, 16, gen=gen)
+    rotary = RotaryEmbedding(ModelConfig(architecture="LlamaForCausalLM", vocab_size=16, hidden_size=32,
+                                         intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                                         head_dim=16, max_position_embeddings=64))
+    positions = torch.tensor([3, 4, 5, 6], device=DEVICE)
+    k_cache = torch.full((2, 4, 1, 16), NAN, device=DEVICE)
+    v_cache = torch.full_like(k_cache, NAN)
+    slots = torch.tensor([5, -1, 6, -1], device=DEVICE)
+    q_out, k_out = rope_and_write_kv(q.clone(), k.clone(), v, positions, rotary, k_cache, v_cache, slots)
+    cos, sin = rotary(positions)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+    assert_close(k_out, apply_rope(k, cos, sin))
+    flat_k, flat_v = k_cache.view(-1, 1, 16), v_cache.view(-1, 1, 16)
+    assert_close(flat_k[[5, 6]], k_out[[0, 2]])
+    assert_close(flat_v[[5, 6]], v[[0, 2]])
+    assert int(flat_k.isnan().any(dim=(1, 2)).sum()) == 6

@@ -80,11 +80,12 @@ def rope_and_write_kv(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping
 
         write_kv(k, v.contiguous(), k_cache, v_cache, slot_mapping, validate=False)
     else:                    # the CPU: PyTorch, as write_kv would (slot -1: padding, not written)
-        if len(slot_mapping) and int(slot_mapping.min()) < 0:
-            keep = slot_mapping >= 0
-            slot_mapping, k, v = slot_mapping[keep], k[keep], v[keep]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+        slots, k_rows, v_rows = slot_mapping, k, v
+        if len(slots) and int(slots.min()) < 0:
+            keep = slots >= 0     # the returned k keeps every row: attention still needs them
+            slots, k_rows, v_rows = slots[keep], k[keep], v[keep]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_rows)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_rows)
     return q, k
 
 
