@@ -28,6 +28,7 @@ from kvlab.kernels.checks import (
     _min_max,
     _programs,
     check_kv_cache_pair,
+    check_kv_scales,
     check_length_hint,
     check_same_device,
 )
@@ -72,7 +73,7 @@ def paged_decode_check_kernel(stats_ptr, seq_lens_ptr, block_tables_ptr, batch, 
 
 
 def check_paged_decode_args(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, out=None, *,
-                            sm_scale=None, max_seq_len: int | None = None) -> int:
+                            sm_scale=None, max_seq_len: int | None = None, k_scale=None, v_scale=None) -> int:
     """Raise TypeError/ValueError naming the first argument of paged_decode that breaks a rule.
 
     Returns the longest of ``seq_lens`` (0 for an empty batch), from the one read of the checks.
@@ -83,7 +84,8 @@ def check_paged_decode_args(q, k_cache, v_cache, block_tables, seq_lens, num_spl
     if q.dim() != 3:
         raise ValueError(f"q must be a [batch, num_heads, head_dim] tensor, got shape {list(q.shape)}")
     _check_supported_dtype("q", q)
-    if q.dtype != k_cache.dtype:
+    quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    if not quantized and q.dtype != k_cache.dtype:
         raise TypeError(f"q has dtype {q.dtype}, the cache has {k_cache.dtype}")
     if q.shape[2] != head_dim or head_dim < 16 or head_dim & (head_dim - 1):
         raise ValueError(f"head_dim must match the cache's {head_dim} and be a power of two >= 16, "

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kvlab import profile
+from kvlab.quantization import QUANTIZED_DTYPES
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CHECK_PROGRAMS = 64                   # at most this many programs per check kernel (the host merges their rows)
@@ -239,16 +240,43 @@ def write_kv_check_kernel(stats_ptr, slot_mapping_ptr, num_tokens):
     tl.store(row + 2, twice)
 
 
-def check_write_kv_args(key, value, k_cache, v_cache, slot_mapping) -> None:
-    """Raise TypeError/ValueError naming the first argument of write_kv that breaks a rule."""
+def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
+    """A quantised cache (float8_e4m3fn or int8) comes with its scales, float32
+    ``[num_blocks, block_size, num_kv_heads]``, contiguous; any other cache without. True if quantised."""
+    quantized = k_cache.dtype in QUANTIZED_DTYPES
+    if not quantized:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale/v_scale are given but the cache is {k_cache.dtype}, not quantised "
+                             "(float8_e4m3fn or int8)")
+        return False
+    for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if t is None:
+            raise ValueError(f"the cache is {k_cache.dtype}, quantised: {name} (its scales) must be given")
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+        if t.shape != k_cache.shape[:3] or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous [num_blocks, block_size, num_kv_heads] = "
+                             f"{list(k_cache.shape[:3])} tensor, got {list(t.shape)}")
+    check_same_device(k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
+    return True
+
+
+def check_write_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
+    """Raise TypeError/ValueError naming the first argument of write_kv (or write_kv_quantized,
+    with the scales) that breaks a rule."""
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache_pair(k_cache, v_cache)
+    quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim):
             raise ValueError(f"{name} must have shape [num_tokens, {num_kv_heads}, {head_dim}] to match the "
                              f"cache, got {list(t.shape)}")
-        if t.dtype != k_cache.dtype:
+        if quantized and t.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+        if not quantized and t.dtype != k_cache.dtype:
             raise TypeError(f"{name} has dtype {t.dtype}, the cache has {k_cache.dtype}")
         if t.stride(2) != 1 or t.stride(1) != head_dim:
             raise ValueError(f"{name} must be contiguous within a token (strides [*, {head_dim}, 1]), "

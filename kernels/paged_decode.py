@@ -46,6 +46,7 @@ from kvlab.kernels.checks import grid_length  # noqa: F401  (re-exported)
 def decode_split_kernel(
     q_ptr,                 # [batch, num_heads, HEAD_DIM], head_dim contiguous (rows may be strided)
     k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    k_scale_ptr, v_scale_ptr,  # KV_QUANT: [num_blocks, BLOCK_SIZE, num_kv_heads] float32, else None
     block_tables_ptr,      # [batch, max_blocks] int32
     seq_lens_ptr,          # [batch] int32
     out_ptr,               # num_splits == 1: [batch, num_heads, HEAD_DIM]; else [batch, num_heads, num_splits, HEAD_DIM] fp32
@@ -61,6 +62,7 @@ def decode_split_kernel(
     BLOCK_N: tl.constexpr,      # tokens per tile: a few pages
     WRITE_FINAL: tl.constexpr,  # one split: write the normalised output directly
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32 rounding), else "tf32" (unused for 16-bit)
+    KV_QUANT: tl.constexpr = False,  # the cache holds fp8/int8 values and a scale per (token, KV head)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -95,6 +97,13 @@ def decode_split_kernel(
         offs = slot[:, None] * row_stride + kv_head * HEAD_DIM + dims[None, :]
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        if KV_QUANT:
+            # Dequantise in registers: value * its token's scale, in q's dtype for the dots.
+            # No dequantised copy of the cache is ever written.
+            k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
+            v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale   # [GROUP_PAD, BLOCK_N]
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -150,7 +159,8 @@ def merge_splits_kernel(
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, sm_scale=None, *,
                  max_seq_len: int | None = None, block_n: int | None = None, validate: bool = True,
                  out: torch.Tensor | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None) -> torch.Tensor:
+                 num_stages: int | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [batch, num_heads, head_dim]`` (one token per sequence) over its cache.
 
     ``seq_lens[i]`` tokens of sequence ``i`` (the new one included) are read through
@@ -164,11 +174,16 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     first, with one read of the GPU's data for all the value checks. With ``num_splits`` given
     and ``validate=False`` the call reads nothing back and its grid depends on no length: it
     can be captured in a CUDA graph and replayed with other ``seq_lens``.
+
+    A quantised cache (float8_e4m3fn or int8, :mod:`kvlab.quantization`) comes with its scales
+    ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` float32; the kernel
+    dequantises each tile in registers.
     """
     longest = None
     if validate:
         longest = check_paged_decode_args(q, k_cache, v_cache, block_tables, seq_lens, num_splits, out,
-                                          sm_scale=sm_scale, max_seq_len=max_seq_len)
+                                          sm_scale=sm_scale, max_seq_len=max_seq_len, k_scale=k_scale,
+                                          v_scale=v_scale)
     batch, num_heads, head_dim = q.shape
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
@@ -195,11 +210,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
                                             device=q.device)
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, partial, lse, sm_scale,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, partial, lse, sm_scale,
         q.stride(0), q.stride(1), block_tables.stride(0), num_kv_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", **launch)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=k_scale is not None, **launch)
     if not final:
         merge_splits_kernel[(batch * num_heads,)](partial, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   SPLITS_PAD=triton.next_power_of_2(num_splits))
