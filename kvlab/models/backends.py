@@ -51,25 +51,46 @@ def reference_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, s
 def torch_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, max_seq_len=None,
                   max_query_len=None, cu_query_lens=None):
     """Gather-then-attend for the whole batch at once (padded to the longest sequence)."""
-    batch, (num_blocks, block_size, num_kv_heads, head_dim) = seq_lens.shape[0], k_cache.shape
-    pages, rows, real, missing, mask = _batch_plan(block_tables, seq_lens, query_lens, block_size, q.shape[0],
-                                                   max_seq_len, max_query_len, cu_query_lens)
-    # Slots past a sequence's end may hold anything, NaN included, and a masked key's zero
-    # weight times a NaN value is still NaN: zero them (in the gathered copy).
-    k = k_cache[pages].reshape(batch, -1, num_kv_heads, head_dim).masked_fill_(missing, 0.0).transpose(1, 2)
-    v = v_cache[pages].reshape(batch, -1, num_kv_heads, head_dim).masked_fill_(missing, 0.0).transpose(1, 2)
+    batch, num_heads, head_dim = seq_lens.shape[0], q.shape[1], q.shape[2]
+    plan = _batch_plan(block_tables, seq_lens, query_lens, k_cache.shape[1], q.shape[0], max_seq_len,
+                       max_query_len, cu_query_lens)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qp = q[rows].transpose(1, 2)                                                     # [B, H, Qmax, D]
-    out = torch.nn.functional.scaled_dot_product_attention(qp.to(dtype), k.to(dtype), v.to(dtype),
-                                                           attn_mask=mask, scale=sm_scale, enable_gqa=True)
-    return out.transpose(1, 2)[real].to(q.dtype)                                     # [num_tokens, H, D]
+    k, v = (_gather(cache, plan, batch).transpose(1, 2).to(dtype) for cache in (k_cache, v_cache))
+    if plan.rows is None:       # every sequence has max_query_len queries: the packed rows as they are
+        qp = q.view(batch, -1, num_heads, head_dim)
+    else:
+        qp = q[plan.rows]
+    out = torch.nn.functional.scaled_dot_product_attention(qp.transpose(1, 2).to(dtype), k, v, attn_mask=plan.mask,
+                                                           scale=sm_scale, enable_gqa=True).transpose(1, 2)
+    out = out.reshape(-1, num_heads, head_dim) if plan.rows is None else out[plan.real]
+    return out.to(q.dtype)                                                           # [num_tokens, H, D]
+
+
+def _gather(cache, plan, batch: int) -> torch.Tensor:
+    """One layer's K (or V) of every sequence side by side, ``[batch, L, num_kv_heads, head_dim]``.
+
+    Slots past a sequence's end may hold anything, NaN included, and a masked key's zero weight
+    times a NaN value is still NaN: they are zeroed (in the gathered copy)."""
+    rows = cache.index_select(0, plan.pages).view(-1, *cache.shape[2:])             # [B * L, KV, D]
+    return rows.index_fill_(0, plan.missing, 0.0).view(batch, -1, *cache.shape[2:])
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Where a step's padded batch comes from: the same in every layer, so made once per step."""
+
+    pages: torch.Tensor          # [B * P] the blocks gathered, each sequence's first P, side by side
+    missing: torch.Tensor        # gathered slots past their sequence's end (flat indices)
+    mask: torch.Tensor           # [B, 1, Qmax, L] which keys each query sees
+    rows: torch.Tensor | None    # [B, Qmax] packed row of each padded query; None: no padding
+    real: torch.Tensor | None    # [B, Qmax] which padded queries are real
 
 
 _last_plan: tuple = ((), None)     # (what it was made from, the plan)
 
 
 def _batch_plan(block_tables, seq_lens, query_lens, block_size, num_tokens, max_seq_len, max_query_len,
-                cu_query_lens):
+                cu_query_lens) -> BatchPlan:
     """The indices and masks of a step's padded batch, the same in every layer: made once per step.
     Every layer of a step hands the same tensor objects (a context builds new ones per step and
     this backend is never replayed from a CUDA graph, so none is changed in place meanwhile)."""
@@ -79,22 +100,26 @@ def _batch_plan(block_tables, seq_lens, query_lens, block_size, num_tokens, max_
                                                                                       query_lens))):
         return plan
     key = (block_tables, seq_lens, query_lens, num_tokens)
+    batch = seq_lens.shape[0]
     max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     max_query_len = int(query_lens.max()) if max_query_len is None else max_query_len
     if cu_query_lens is None:
         cu_query_lens = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0))
     pages = block_tables[:, :-(-max_seq_len // block_size)].long()
-    # Query i of sequence b is packed row cu[b] + i (rows past its query_len are padding).
     i = torch.arange(max_query_len, device=seq_lens.device)
-    rows = (cu_query_lens[:-1, None] + i).clamp(max=num_tokens - 1)
-    real = i < query_lens[:, None]                                                   # [B, Qmax]
     j = torch.arange(pages.shape[1] * block_size, device=seq_lens.device)
-    missing = (j[None, :] >= seq_lens[:, None])[:, :, None, None]                     # [B, L, 1, 1]
     # Bottom-right causal: query i of b sees keys 0 .. seq_len - query_len + i.
     last_key = (seq_lens - query_lens)[:, None] + i                                  # [B, Qmax]
     mask = (j[None, None, :] <= last_key[:, :, None])[:, None]                       # [B, 1, Qmax, L]
-    _last_plan = (key, (pages, rows, real, missing, mask))
-    return _last_plan[1]
+    rows = real = None
+    if num_tokens != batch * max_query_len:
+        # Query i of sequence b is packed row cu[b] + i (rows past its query_len are padding).
+        rows = (cu_query_lens[:-1, None] + i).clamp(max=num_tokens - 1)
+        real = i < query_lens[:, None]
+    missing = (j[None, :] >= seq_lens[:, None]).flatten().nonzero().flatten()
+    plan = BatchPlan(pages.flatten(), missing, mask, rows, real)
+    _last_plan = (key, plan)
+    return plan
 
 
 #: Verify through paged_decode where :func:`verify_with_paged_decode` says so (False: never).
