@@ -3,7 +3,9 @@
 Each chapter's tasks are stubs in ``exercises/chNN.py`` and answers in ``solutions/chNN.py``;
 one test suite, ``tests/graded/``, grades either (``pytest -m ch02 --impl=exercises``).
 Grading runs in a fresh process, in the Triton interpreter on the CPU, so it sees your
-latest edits and gives Python-level errors from inside kernels.
+latest edits and gives Python-level errors from inside kernels. That process
+(:mod:`kvlab.grade_runner`) imports torch, Triton and pytest once, then forks a child for each
+kernel task and one or more for the other tasks, one per CPU core.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,61 +178,120 @@ def _task_order(test_file: Path) -> list[str]:
     return list(dict.fromkeys(re.findall(r"""mark\.task\(\s*["']([^"']+)["']""", test_file.read_text())))
 
 
-def grade(chapter: str, impl: str = "exercises") -> GradeReport:
-    """Run the chapter's graded tests on ``impl`` in fresh processes; returns per-task results.
+def grade(chapter: str, impl: str = "exercises", in_this_process: bool = False) -> GradeReport:
+    """Run the chapter's graded tests on ``impl`` in a fresh process; returns per-task results.
 
-    The tasks without a Triton kernel run in one process; each kernel task in its own, in parallel,
-    so a kernel that kills the process (an out-of-bounds store, say) fails only its own task.
+    The tasks run in child processes, all at once (see :mod:`kvlab.grade_runner`): each kernel
+    task in its own, so a kernel that kills its process (an out-of-bounds store, say) fails only
+    its own task. ``in_this_process=True`` forks the children from this process instead, when it
+    runs Triton's interpreter: the ``kvlab grade`` command does, being a fresh process that has
+    imported torch already (never a notebook's kernel).
     """
     _check_chapter(chapter)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     test_file = ROOT / "tests" / "graded" / f"test_{chapter}.py"
+    tasks = _task_order(test_file)
+    groups = _task_groups(chapter, tasks)
+    # the first group also runs any test that names no task
+    selections = [{"KVLAB_GRADE_SKIP_TASKS": ",".join(t for t in tasks if t not in groups[0])}]
+    selections += [{"KVLAB_GRADE_TASKS": ",".join(group)} for group in groups[1:]]
+    report = GradeReport(chapter, impl)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        plan = {"cwd": str(ROOT), "env": _grading_env(impl), "timeout_s": GRADE_TIMEOUT_S, "groups": []}
+        for i, select in enumerate(selections):
+            plan["groups"].append({
+                "args": [str(test_file), "-m", chapter, f"--impl={impl}", "-q", "-p", "no:cacheprovider",
+                         f"--junitxml={tmp / f'report{i}.xml'}", "-o", "junit_family=xunit1"],
+                "env": dict(select, KVLAB_GRADE_PROGRESS=str(tmp / f"progress{i}.txt")),
+                "output": str(tmp / f"output{i}.txt")})
+        if in_this_process and _runs_the_interpreter():
+            from kvlab import grade_runner
+
+            codes = grade_runner.run(plan)
+        else:
+            codes, report.error = _run_grading_process(plan, tmp)
+            if report.error:
+                return report
+        results: dict[str, TaskResult] = {}
+        for i in range(len(groups)):
+            xml_path, progress, output_path = tmp / f"report{i}.xml", tmp / f"progress{i}.txt", tmp / f"output{i}.txt"
+            output = output_path.read_text() if output_path.exists() else ""
+            if xml_path.exists():
+                found = _parse_junit(xml_path)
+            elif _started(progress):
+                found = _crash_results(chapter, impl, codes[i], output, progress)
+            else:
+                found = []
+            results.update((result.task, result) for result in found)
+            if not xml_path.exists() and not found and not report.error:
+                last = output.strip().splitlines()[-1:] or ["pytest failed to start"]
+                report.error = last[0] + (f" (the process died: {_signal_name(codes[i])})" if codes[i] < 0 else "")
+        report.tasks = sorted(results.values(), key=lambda t: tasks.index(t.task) if t.task in tasks else len(tasks))
+        if not report.tasks and not report.error:
+            report.error = "no graded tests were collected"
+    return report
+
+
+def _task_groups(chapter: str, tasks: list[str]) -> list[list[str]]:
+    """The tasks of each child: every kernel task alone, the others in runs of consecutive tasks,
+    as many runs as there are CPU cores left (more children would only share the cores, each
+    paying pytest's start-up)."""
+    kernels = [task for task in tasks if task in KERNEL_TASKS.get(chapter, {})]
+    others = [task for task in tasks if task not in kernels]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    runs = max(1, min(len(others), cores - len(kernels)))
+    size = max(1, -(-len(others) // runs))     # ceiling division
+    groups = [others[i:i + size] for i in range(0, len(others), size)] + [[task] for task in kernels]
+    return groups or [[]]
+
+
+def _runs_the_interpreter() -> bool:
+    """Whether this process runs kvlab's CPU profile, Triton's interpreter: what grading needs."""
+    from kvlab import profile
+
+    return profile.PROFILE == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _grading_env(impl: str) -> dict[str, str]:
+    """The environment of the grading processes: the CPU interpreter, ``impl``, this checkout."""
     env = dict(os.environ, KVLAB_PROFILE="cpu", TRITON_INTERPRET="1", KVLAB_IMPL=impl, KVLAB_GRADE_ROOT=str(ROOT),
                PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")     # no notebook or other plugins: starts ~2 s sooner
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     for variable in ("KVLAB_GRADE_TASKS", "KVLAB_GRADE_SKIP_TASKS", "KVLAB_GRADE_PROGRESS"):
         env.pop(variable, None)
-    kernels = KERNEL_TASKS.get(chapter, {})
-    report = GradeReport(chapter, impl)
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = []
-        groups = [(None, {"KVLAB_GRADE_SKIP_TASKS": ",".join(kernels)})]
-        groups += [(task, {"KVLAB_GRADE_TASKS": task}) for task in kernels]
-        for i, (task, select) in enumerate(groups):
-            xml_path, progress = Path(tmp) / f"report{i}.xml", Path(tmp) / f"progress{i}.txt"
-            cmd = [sys.executable, "-X", "faulthandler", "-m", "pytest", str(test_file), "-m", chapter,
-                   f"--impl={impl}", "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}",
-                   "-o", "junit_family=xunit1"]
-            out = open(Path(tmp) / f"output{i}.txt", "w+")
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=dict(env, KVLAB_GRADE_PROGRESS=str(progress), **select),
-                                    stdout=out, stderr=subprocess.STDOUT, text=True)
-            runs.append((task, proc, xml_path, progress, out))
-        results: dict[str, TaskResult] = {}
-        deadline = time.monotonic() + GRADE_TIMEOUT_S
-        for task, proc, xml_path, progress, out in runs:
-            try:
-                returncode = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                returncode = proc.wait()
-                out.write(f"\nTIMEOUT: still running after {GRADE_TIMEOUT_S} s (an endless loop?)\n")
-            out.seek(0)
-            output = out.read()
-            out.close()
-            if xml_path.exists():
-                for result in _parse_junit(xml_path):
-                    results[result.task] = result
-            elif task is not None:
-                results[task] = _crash_result(chapter, impl, task, kernels[task], returncode, output, progress)
-            else:
-                last = output.strip().splitlines()[-1:] or ["pytest failed to start"]
-                report.error = last[0] + (f" (the process died: {_signal_name(returncode)})" if returncode < 0 else "")
-        order = _task_order(test_file)
-        report.tasks = sorted(results.values(), key=lambda t: order.index(t.task) if t.task in order else len(order))
-        if not report.tasks and not report.error:
-            report.error = "no graded tests were collected"
-    return report
+    return env
+
+
+def _run_grading_process(plan: dict, tmp: Path) -> tuple[dict[int, int], str]:
+    """Run ``plan`` in ``python -m kvlab.grade_runner``: the groups' exit codes, and an error
+    message if the grading process itself failed."""
+    (tmp / "plan.json").write_text(json.dumps(plan))
+    with open(tmp / "runner.txt", "w+") as out:
+        proc = subprocess.Popen([sys.executable, "-X", "faulthandler", "-m", "kvlab.grade_runner",
+                                 str(tmp / "plan.json")], cwd=plan["cwd"], env=plan["env"], stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            proc.wait(timeout=GRADE_TIMEOUT_S + 60)     # the runner stops its children at GRADE_TIMEOUT_S
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:     # interrupted, or stuck: stop the runner and its children
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        output = out.read()
+    status = tmp / "status.json"
+    if status.exists():
+        return {int(i): code for i, code in json.loads(status.read_text()).items()}, ""
+    last = output.strip().splitlines()[-1:] or ["the grading process did not start"]
+    return {}, last[0] + (f" (it died: {_signal_name(proc.returncode)})" if proc.returncode < 0 else "")
+
+
+def _started(progress: Path) -> bool:
+    """Whether a child got as far as running a test (so its death was a crash, not a failed start)."""
+    return progress.exists() and any(line.startswith("start ") for line in progress.read_text().splitlines())
 
 
 def _signal_name(returncode: int) -> str:
@@ -241,26 +301,31 @@ def _signal_name(returncode: int) -> str:
         return f"signal {-returncode}"
 
 
-def _crash_result(chapter, impl, task, kernel, returncode, output, progress: Path) -> TaskResult:
-    """The task whose process died: name the kernel, the test, and the line it was running."""
-    result = TaskResult(task, crashed=True)
-    running, collected = "", 0
-    if progress.exists():
-        for line in progress.read_text().splitlines():
-            state, _, nodeid = line.partition(" ")
-            if state == "collected":
-                collected = int(nodeid)
-            elif state == "start":
-                running = nodeid
-            elif state == "passed":
-                result.passed += 1
-            elif state == "failed":
-                result.failed += 1
+def _crash_results(chapter, impl, returncode, output, progress: Path) -> list[TaskResult]:
+    """The tasks of a child that died, from its progress file: how far each got, and for the one
+    it was running, the kernel, the test and the line of the graded file."""
+    results: dict[str, TaskResult] = {}
+    collected: dict[str, int] = {}
+    running_task, running = "", ""
+    for line in progress.read_text().splitlines():
+        state, task, what = (line.split(" ", 2) + ["", ""])[:3]     # task "-": a test of no task
+        result = results.setdefault(task, TaskResult(task))
+        if state == "collected":
+            collected[task] = int(what)
+        elif state == "start":
+            running_task, running = task, what
+        elif state == "passed":
+            result.passed += 1
+        elif state == "failed":
+            result.failed += 1
     how = _signal_name(returncode) if returncode < 0 else f"exit status {returncode}"
-    fatal = next((line.strip() for line in output.splitlines() if line.startswith(("Fatal Python error", "TIMEOUT"))),
-                 "")
-    message = (f"CRASH: the grading process died ({fatal or how}) while running your kernel {kernel}.\n"
-               f"{CRASH_HINT}")
+    fatal = re.search(r"(Fatal Python error: .*|TIMEOUT: .*)", output)    # may follow pytest's dots on a line
+    fatal = fatal.group(1).strip() if fatal else ""
+    kernel = KERNEL_TASKS.get(chapter, {}).get(running_task)
+    if kernel is not None:
+        message = f"CRASH: the grading process died ({fatal or how}) while running your kernel {kernel}.\n{CRASH_HINT}"
+    else:
+        message = f"CRASH: the grading process died ({fatal or how}) while running the {running_task} tests."
     # faulthandler prints the stack, innermost first: the first frame in the graded file
     where = ""
     for match in re.finditer(r'File "([^"]+)", line (\d+)', output):
@@ -269,10 +334,16 @@ def _crash_result(chapter, impl, task, kernel, returncode, output, progress: Pat
             line = linecache.getline(str(path), int(match.group(2))).strip()
             where = f"{impl}/{path.name}:{match.group(2)}: {line}"
             break
-    result.add_failure(Failure(running.rpartition("::")[2] or f"the {task} tests", message, where))
-    result.not_run = max(0, collected - result.passed - result.failed)    # failed: those before, and this one
-    result.failed += result.not_run
-    return result
+    for task, result in results.items():
+        if task == running_task:
+            result.crashed = True
+            result.add_failure(Failure(running.rpartition("::")[2] or f"the {task} tests", message, where))
+        result.not_run = max(0, collected.get(task, 0) - result.passed - result.failed)   # failed: the crash's too
+        if result.not_run and task != running_task:
+            result.failures.append(Failure(f"the {task} tests", f"NOT RUN: their process died in {running_task} first"))
+            result.first_failure = result.failures[-1].message
+        result.failed += result.not_run
+    return list(results.values())
 
 
 def _parse_junit(path: Path) -> list[TaskResult]:

@@ -1,5 +1,9 @@
 """The grading tools: chapter loading, use_solution checkpoints, the kvlab command."""
+import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,6 +128,66 @@ def test_a_crashing_kernel_fails_its_task_only(tmp_path, monkeypatch):
     table = report.table()
     assert "write_kv_kernel" in crashed.first_failure and "Aborted" in crashed.first_failure, table
     assert "out-of-bounds load or store" in table and "os.abort()" in table, table
+
+
+def test_the_kvlab_command_isolates_a_crash_too(tmp_path, monkeypatch):
+    """``kvlab grade`` forks the children from its own process: a crash still fails only its own
+    task (here one without a kernel), and the tasks of the other children still report."""
+    root = course_copy(tmp_path, monkeypatch)
+    shutil.copy(root / "solutions" / "ch02.py", root / "exercises" / "ch02.py")
+    plant(root, "ch02", "def slot_mapping(", "def slot_mapping(*args):\n    import os; os.abort()\n\n\ndef unused(")
+    env = dict(os.environ, KVLAB_GRADE_ROOT=str(root))
+    done = subprocess.run([sys.executable, "-m", "kvlab.cli", "grade", "ch02"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    table = done.stdout
+    assert done.returncode == 1, table + done.stderr
+    assert "PASS  block_pool" in table and "PASS  write_kv_kernel" in table, table
+    assert "FAIL  slot_mapping" in table and "CRASHED" in table and "running the slot_mapping tests" in table, table
+    assert "2/3 tasks pass" in table
+
+
+@pytest.mark.parametrize("cores, ch02, ch07", [
+    (1, [["block_pool", "slot_mapping"], ["write_kv_kernel"]], [["a", "b", "c", "d", "e"]]),
+    (2, [["block_pool", "slot_mapping"], ["write_kv_kernel"]], [["a", "b", "c"], ["d", "e"]]),
+    (8, [["block_pool"], ["slot_mapping"], ["write_kv_kernel"]], [["a"], ["b"], ["c"], ["d"], ["e"]]),
+])
+def test_each_kernel_task_gets_a_child_and_the_others_share_the_cores_left(monkeypatch, cores, ch02, ch07):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)), raising=False)
+    assert grading._task_groups("ch02", ["block_pool", "slot_mapping", "write_kv_kernel"]) == ch02
+    assert grading._task_groups("ch07", ["a", "b", "c", "d", "e"]) == ch07      # no kernel task
+
+
+def test_a_crash_reports_every_task_of_its_child(tmp_path):
+    """From the progress file: the tasks before the crash keep their results, the running one is
+    the crash, and a task that never started is marked as not run."""
+    progress = tmp_path / "progress.txt"
+    progress.write_text("collected block_pool 2\ncollected slot_mapping 3\ncollected write_kv_kernel 2\n"
+                        "start block_pool t.py::test_a\npassed block_pool t.py::test_a\n"
+                        "start block_pool t.py::test_b\nfailed block_pool t.py::test_b\n"
+                        "start slot_mapping t.py::test_c[x y]\n")
+    output = '..F\nFatal Python error: Segmentation fault\n  File "/x/exercises/ch02.py", line 3 in f\n'
+    tasks = {t.task: t for t in grading._crash_results("ch02", "exercises", -11, output, progress)}
+    assert (tasks["block_pool"].passed, tasks["block_pool"].failed, tasks["block_pool"].crashed) == (1, 1, False)
+    crashed = tasks["slot_mapping"]
+    assert crashed.crashed and (crashed.passed, crashed.failed, crashed.not_run) == (0, 3, 2)
+    assert crashed.failures[0].test == "test_c[x y]" and "Segmentation fault" in crashed.first_failure
+    assert "running the slot_mapping tests" in crashed.first_failure
+    skipped = tasks["write_kv_kernel"]
+    assert not skipped.ok and skipped.failed == skipped.not_run == 2 and "NOT RUN" in skipped.first_failure
+
+
+def test_the_grading_process_stops_a_task_past_the_timeout(tmp_path):
+    """A child still running at the deadline is killed and its output says so; the others report."""
+    (tmp_path / "test_loop.py").write_text("def test_loop():\n    while True:\n        pass\n")
+    (tmp_path / "test_ok.py").write_text("def test_ok():\n    assert True\n")
+    plan = {"cwd": str(tmp_path), "env": {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, "timeout_s": 3, "groups": [
+        {"args": [str(tmp_path / name), "-q", "-p", "no:cacheprovider"], "env": {},
+         "output": str(tmp_path / f"{name}.txt")} for name in ("test_loop.py", "test_ok.py")]}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    subprocess.run([sys.executable, "-m", "kvlab.grade_runner", str(tmp_path / "plan.json")], check=True, timeout=300)
+    assert json.loads((tmp_path / "status.json").read_text()) == {"0": -9, "1": 0}
+    assert "TIMEOUT" in (tmp_path / "test_loop.py.txt").read_text()
+    assert "1 passed" in (tmp_path / "test_ok.py.txt").read_text()
 
 
 def test_a_store_past_the_slot_is_caught(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ failure a short message (expected vs got) and the line of the graded file it wen
 import json
 import linecache
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ def _names(variable: str) -> set[str]:
 
 def pytest_collection_modifyitems(config, items):
     """``KVLAB_GRADE_TASKS`` / ``KVLAB_GRADE_SKIP_TASKS`` (comma-separated): run only / all but
-    these tasks (the grader runs each kernel task in a process of its own)."""
+    these tasks (the grader runs groups of tasks in processes of their own)."""
     only, skip = _names("KVLAB_GRADE_TASKS"), _names("KVLAB_GRADE_SKIP_TASKS")
     if not only and not skip:
         return
@@ -62,27 +63,32 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
-def pytest_collection_finish(session):
+# -- progress, for the grader when a process dies ----------------------------------------------
+_TASK_OF_TEST: dict[str, str] = {}
+
+
+def _progress(state: str, task: str, what) -> None:
+    """Append ``state task what`` to ``KVLAB_GRADE_PROGRESS``: if a kernel kills the process,
+    the grader still knows which test of which task it was running, and how far each task got."""
     progress = os.environ.get("KVLAB_GRADE_PROGRESS")
     if progress:
         with open(progress, "a") as f:
-            f.write(f"collected {len(session.items)}\n")
+            f.write(f"{state} {task} {what}\n")
+
+
+def pytest_collection_finish(session):
+    _TASK_OF_TEST.update((item.nodeid, _task_of(item) or "-") for item in session.items)
+    for task, count in Counter(_TASK_OF_TEST.values()).items():
+        _progress("collected", task, count)
 
 
 def pytest_runtest_logstart(nodeid, location):
-    """Note the running test in ``KVLAB_GRADE_PROGRESS``: if a kernel kills the process, the
-    grader still knows which test it was."""
-    progress = os.environ.get("KVLAB_GRADE_PROGRESS")
-    if progress:
-        with open(progress, "a") as f:
-            f.write(f"start {nodeid}\n")
+    _progress("start", _TASK_OF_TEST.get(nodeid, "-"), nodeid)
 
 
 def pytest_runtest_logreport(report):
-    progress = os.environ.get("KVLAB_GRADE_PROGRESS")
-    if progress and report.when == "call":
-        with open(progress, "a") as f:
-            f.write(f"{report.outcome} {report.nodeid}\n")
+    if report.when == "call" or (report.when == "setup" and report.failed):
+        _progress(report.outcome, _TASK_OF_TEST.get(report.nodeid, "-"), report.nodeid)
 
 
 # -- what went wrong, for the grader's table ---------------------------------------------------
