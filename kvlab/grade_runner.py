@@ -33,8 +33,13 @@ def run(plan: dict) -> dict[int, int]:
     os.environ.update(plan["env"])
     if plan["cwd"] not in sys.path:
         sys.path.insert(0, plan["cwd"])
+    if not hasattr(os, "fork"):
+        raise RuntimeError("kvlab's grader forks its test processes: run it on Linux, macOS or WSL2")
     for name in STACK:
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError:     # no Triton (macOS, Windows): the chapters that need none still grade
+            pass
     # The children share this process's memory until they write to it. Frozen objects are left out
     # of garbage collection, which would otherwise touch (and so copy) every one in every child.
     gc.freeze()
