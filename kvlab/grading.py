@@ -392,7 +392,33 @@ def solution_source(chapter: str, task: str) -> str:
     text = (ROOT / "solutions" / f"{chapter}.py").read_text()
     section = re.split(r"^# -- task (\w+).*$", text, flags=re.M)
     body = dict(zip(section[1::2], section[2::2]))[task]
-    return f"# {chapter}, task {task}: the reference answer (solutions/{chapter}.py)\n" + body.strip() + "\n"
+    shown = f"# {chapter}, task {task}: the reference answer (solutions/{chapter}.py)\n" + body.strip() + "\n"
+    return shown + "".join(_course_source(module, name, local) for module, name, local in _answer_imports(text)
+                           if re.search(rf"\b{local}\b", body))
+
+
+# Where a solution takes its answer from the course's own code (a kernel, a planning function),
+# the reveal shows that code too.
+_ANSWER_MODULES = ("kvlab.kernels", "kvlab.kernel_plan", "kvlab.paging.prefix_hash")
+
+
+def _answer_imports(text: str) -> list[tuple[str, str, str]]:
+    """``(module, name, local name)`` of each ``from <answer module> import name [as local]``."""
+    found = []
+    for module, names in re.findall(r"^from ([\w.]+) import ([^\n#]+)", text, flags=re.M):
+        if module.startswith(_ANSWER_MODULES):
+            for item in names.split(","):
+                name, _, local = item.strip().partition(" as ")
+                found.append((module, name.strip(), (local or name).strip()))
+    return found
+
+
+def _course_source(module: str, name: str, local: str) -> str:
+    import inspect
+
+    obj = getattr(importlib.import_module(module), name)
+    source = inspect.getsource(getattr(obj, "fn", obj))      # a @triton.jit kernel keeps its function in .fn
+    return f"\n# {local}: the course's own, from {module}\n{source}"
 
 
 def show_solution(chapter: str, task: str) -> str:

@@ -222,3 +222,6 @@ def test_show_solution_prints_one_tasks_section_and_names_bad_tasks(capsys):
     assert "def slot_mapping" in shown and "write_kv_kernel" not in shown
     with pytest.raises(ValueError, match="ch02's tasks"):
         kvlab.show_solution("ch02", "no_such_task")
+    # a task answered by the course's own kernel reveals that kernel's source too
+    kvlab.show_solution("ch02", "write_kv_kernel")
+    assert "def write_kv_kernel(" in capsys.readouterr().out
