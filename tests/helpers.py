@@ -182,3 +182,18 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def scattered_tables(lens, block_size: int, spare_blocks: int, gen) -> tuple[int, torch.Tensor]:
+    """Block tables for sequences of ``lens`` tokens whose pages are scattered over a pool of
+    their blocks plus ``spare_blocks``: ``(num_blocks, tables)``, tables int32 on the CPU with one
+    unused column."""
+    blocks = [-(-n // block_size) for n in lens]
+    num_blocks = sum(blocks) + spare_blocks
+    perm = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(blocks) + 1, dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(blocks):
+        tables[i, :n] = perm[start:start + n]
+        start += n
+    return num_blocks, tables

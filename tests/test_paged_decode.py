@@ -12,6 +12,7 @@ from kvlab.kernels import checks
 from kvlab.kernels.paged_decode import (MAX_SPLITS, MIN_TOKENS_PER_SPLIT, PROGRAMS_PER_SM, choose_num_splits,
                                         decode_split_kernel, paged_decode)
 from kvlab.reference import paged_attention_ref
+from helpers import scattered_tables
 
 paged_decode_module = importlib.import_module("kvlab.kernels.paged_decode")   # (the package exports the function)
 DEVICE = profile.DEVICE
@@ -21,16 +22,10 @@ BIG = profile.PROFILE == "gpu"
 def paged_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
     """Random caches with every sequence's pages scattered over the pool; q one token each."""
     gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in lens]
-    num_blocks = sum(blocks) + 3
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
     v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), max(blocks) + 1, dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = perm[start:start + n]
-        start += n
+    _, tables = scattered_tables(lens, block_size, 3, gen)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     return q, k_cache, v_cache, tables.to(DEVICE), seq_lens

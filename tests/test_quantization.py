@@ -18,6 +18,7 @@ from kvlab.paging import BlockPool, batch_slot_mapping
 from kvlab.quantization import (KV_CACHE_DTYPES, allocate_quantized_kv_cache, dequantize_kv, kv_cache_format,
                                 outlier_kv, quantization_error, quantize_kv)
 from kvlab.reference import paged_attention_ref
+from helpers import scattered_tables
 
 pytestmark = pytest.mark.kv_quant
 DEVICE = profile.DEVICE
@@ -257,14 +258,7 @@ def quantized_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, 
     """A quantised paged cache, its pages scattered; q one token per sequence. (quantize_kv fills it:
     write_kv_quantized matches it bit for bit, and the interpreter runs it one token at a time.)"""
     gen = torch.Generator().manual_seed(seed)
-    blocks = [-(-n // block_size) for n in lens]
-    num_blocks = sum(blocks) + 2
-    perm = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(len(lens), max(blocks) + 1, dtype=torch.int32)
-    start = 0
-    for i, n in enumerate(blocks):
-        tables[i, :n] = perm[start:start + n]
-        start += n
+    num_blocks, tables = scattered_tables(lens, block_size, 2, gen)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key = torch.randn(shape, generator=gen) * torch.rand(*shape[:3], 1, generator=gen) * 4   # scales vary by token
     value = torch.randn(shape, generator=gen)

@@ -6,6 +6,7 @@ import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there
 import triton
 
 from kvlab.errors import UnknownSequenceError
+from kvlab.scaffold import is_written
 
 
 class BlockPoolState:
@@ -153,17 +154,6 @@ def runner_with(slot_mapping=None, write_kv=None):
 
     RunnerWithMyPieces.__qualname__ = "RunnerWithMyPieces"
     return RunnerWithMyPieces
-
-
-def is_written(probe) -> bool:
-    """False while ``probe()`` runs into a stub's ``NotImplementedError`` (Triton wraps the one
-    a kernel stub raises in its own error). Any other error counts as written: the engine run
-    shows it."""
-    try:
-        probe()
-    except Exception as err:  # noqa: BLE001
-        return not (isinstance(err, NotImplementedError) or "NotImplementedError" in str(err))
-    return True
 
 
 def my_pieces_user(block_pool_class, slot_mapping, write_kv):

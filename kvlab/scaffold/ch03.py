@@ -1,6 +1,7 @@
 """Chapter 3, given: a ``BlockPool`` that runs your ``fork`` and copy-on-write ``append``, and
 ``use_my_pieces(llm)``, which serves an ``LLM`` from it (parallel sampling forks every request's samples)."""
 from kvlab.paging import BlockPool
+from kvlab.scaffold import is_written
 
 PIECES = ("fork", "append_with_copy_on_write")
 
@@ -24,18 +25,6 @@ def pool_with_fork_and_append(fork, append_with_copy_on_write) -> type[BlockPool
 
     MyBlockPool.__qualname__ = "MyBlockPool"
     return MyBlockPool
-
-
-def is_written(piece, probe) -> bool:
-    """False while ``piece`` still raises ``NotImplementedError`` on ``probe(piece)``. Any other
-    error counts as written: the engine run shows it."""
-    try:
-        probe(piece)
-    except NotImplementedError:
-        return False
-    except Exception:  # noqa: BLE001
-        pass
-    return True
 
 
 def _probe_fork(fork) -> None:
@@ -65,7 +54,7 @@ def my_pieces_user(fork, append_with_copy_on_write):
         replaced by a fresh one of the same size (``llm.use_pool``).
         """
         if pieces is None:
-            pieces = [name for name, (piece, _, probe) in mine.items() if is_written(piece, probe)]
+            pieces = [name for name, (piece, _, probe) in mine.items() if is_written(lambda: probe(piece))]
         unknown = set(pieces) - set(PIECES)
         if unknown:
             raise ValueError(f"pieces must be among {PIECES}, got {sorted(unknown)}")

@@ -2,6 +2,7 @@
 and ``use_my_pieces(llm)``, which serves an ``LLM`` with prefix caching from your four pieces."""
 from kvlab.paging import BlockPool
 from kvlab.paging.prefix_hash import hash_blocks
+from kvlab.scaffold import is_written
 
 PIECES = ("block_hashes", "cached_prefix", "take_free_block", "release")
 
@@ -41,18 +42,6 @@ def pool_with_prefix_caching(block_hashes, cached_prefix, take_free_block, relea
     return PoolWithMyPrefixCache
 
 
-def is_written(piece, probe) -> bool:
-    """False while ``piece`` still raises ``NotImplementedError`` on ``probe(piece)``. Any other
-    error counts as written: the engine run shows it."""
-    try:
-        probe(piece)
-    except NotImplementedError:
-        return False
-    except Exception:  # noqa: BLE001
-        pass
-    return True
-
-
 def _cached_pool() -> BlockPool:
     pool = BlockPool(4, 2, enable_prefix_caching=True)
     pool.allocate(0, 3, [1, 2, 3])
@@ -85,7 +74,7 @@ def my_pieces_user(block_hashes, cached_prefix, take_free_block, release):
         one of the same size (``llm.use_pool``), with an empty cache.
         """
         if pieces is None:
-            pieces = [name for name in PIECES if is_written(mine[name], PROBES[name])]
+            pieces = [name for name in PIECES if is_written(lambda: PROBES[name](mine[name]))]
         unknown = set(pieces) - set(PIECES)
         if unknown:
             raise ValueError(f"pieces must be among {PIECES}, got {sorted(unknown)}")
