@@ -197,3 +197,27 @@ def scattered_tables(lens, block_size: int, spare_blocks: int, gen) -> tuple[int
         tables[i, :n] = perm[start:start + n]
         start += n
     return num_blocks, tables
+
+
+def served_tokens(llm, prompts, params) -> list[list[int]]:
+    """The token ids ``llm`` generates for ``prompts``, every request finished without an error."""
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.error for o in outs] == [None] * len(prompts)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def closing_loop_fixtures(chapter: str, settings: dict, prompts, params):
+    """A chapter's closing-loop fixtures: ``reference`` (the course's engine's tokens for
+    ``prompts``) and ``answers`` (``solutions/chNN.py``)."""
+    from kvlab import LLM
+    from kvlab.grading import load_chapter
+
+    @pytest.fixture(scope="module")
+    def reference():
+        return served_tokens(LLM(**settings), prompts, params)
+
+    @pytest.fixture(scope="module")
+    def answers():
+        return load_chapter(chapter, "solutions")
+
+    return reference, answers

@@ -11,11 +11,10 @@ import triton
 import triton.language as tl  # noqa: F401  (a jit function must see it)
 
 import kvlab  # noqa: F401  (before triton's kernels run: the CPU interpreter without a GPU)
-from kvlab import LLM, SamplingParams
-from kvlab.grading import load_chapter
+from kvlab import SamplingParams
 from kvlab.reference import paged_attention_ref
 from kvlab.scaffold import ch06 as given
-from helpers import one_thread  # noqa: F401  (a fixture)
+from helpers import closing_loop_fixtures, one_thread, served_tokens  # noqa: F401  (one_thread: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -37,19 +36,10 @@ STUBS = types.SimpleNamespace(split_ranges=stub, split_pages=stub, merge_splits=
 
 
 def serve(llm) -> list[list[int]]:
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    assert [o.error for o in outs] == [None] * len(PROMPTS)
-    return [o.outputs[0].token_ids for o in outs]
+    return served_tokens(llm, PROMPTS, GREEDY)
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return serve(LLM(**given.ENGINE_SETTINGS))
-
-
-@pytest.fixture(scope="module")
-def answers():
-    return load_chapter("ch06", "solutions")
+reference, answers = closing_loop_fixtures("ch06", given.ENGINE_SETTINGS, PROMPTS, GREEDY)
 
 
 @pytest.fixture(scope="module")
