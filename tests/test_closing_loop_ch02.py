@@ -119,5 +119,5 @@ def test_refuses_what_chapter_2s_pool_cannot_do(solutions):
                      {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}):
         with pytest.raises(ValueError, match="enable_prefix_caching=False"):
             solutions.use_my_pieces(LLM(**ENGINE, **settings))
-    with pytest.raises(ValueError, match="pieces must be among"):
+    with pytest.raises(ValueError, match="pieces must be a collection of names among"):
         solutions.use_my_pieces(LLM(**ENGINE), ["fork"])

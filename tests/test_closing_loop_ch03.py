@@ -56,7 +56,7 @@ def test_a_stub_falls_back_alone(llm, reference):
 
 def test_bad_uses_are_refused(llm):
     use_my_pieces = load_chapter("ch03", "solutions").use_my_pieces
-    with pytest.raises(ValueError, match="pieces must be among"):
+    with pytest.raises(ValueError, match="pieces must be a collection of names among"):
         use_my_pieces(llm, pieces=["truncate"])
     cached = LLM(num_gpu_blocks=8, enable_prefix_caching=True)
     with pytest.raises(ValueError, match="enable_prefix_caching=False"):

@@ -62,7 +62,7 @@ def test_a_stub_falls_back_alone(llm, reference):
 
 def test_bad_uses_are_refused(llm):
     use_my_pieces = load_chapter("ch04", "solutions").use_my_pieces
-    with pytest.raises(ValueError, match="pieces must be among"):
+    with pytest.raises(ValueError, match="pieces must be a collection of names among"):
         use_my_pieces(llm, pieces=["fork"])
     uncached = LLM(num_gpu_blocks=8)
     with pytest.raises(ValueError, match="enable_prefix_caching=True"):

@@ -20,3 +20,9 @@ def is_written(probe) -> bool:
     except Exception as err:  # noqa: BLE001
         return not (isinstance(err, NotImplementedError) or "NotImplementedError" in str(err))
     return True
+
+
+def check_pieces(pieces, allowed) -> None:
+    """Refuse ``pieces`` unless it is a collection of names among ``allowed`` (a chapter's ``PIECES``)."""
+    if isinstance(pieces, str) or set(pieces) - set(allowed):
+        raise ValueError(f"pieces must be a collection of names among {allowed}, got {pieces!r}")

@@ -6,7 +6,7 @@ import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there
 import triton
 
 from kvlab.errors import UnknownSequenceError
-from kvlab.scaffold import is_written
+from kvlab.scaffold import check_pieces, is_written
 
 
 class BlockPoolState:
@@ -184,9 +184,7 @@ def my_pieces_user(block_pool_class, slot_mapping, write_kv):
         """
         if pieces is None:
             pieces = [name for name, probe in probes.items() if is_written(probe)]
-        unknown = set(pieces) - set(PIECES)
-        if unknown:
-            raise ValueError(f"pieces must be among {PIECES}, got {sorted(unknown)}")
+        check_pieces(pieces, PIECES)
         if llm.has_unfinished_requests():
             raise RuntimeError("use_my_pieces: the pool and the runner can only be replaced while no request is queued")
         c = llm.engine_config

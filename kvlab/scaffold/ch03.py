@@ -1,7 +1,7 @@
 """Chapter 3, given: a ``BlockPool`` that runs your ``fork`` and copy-on-write ``append``, and
 ``use_my_pieces(llm)``, which serves an ``LLM`` from it (parallel sampling forks every request's samples)."""
 from kvlab.paging import BlockPool
-from kvlab.scaffold import is_written
+from kvlab.scaffold import check_pieces, is_written
 
 PIECES = ("fork", "append_with_copy_on_write")
 
@@ -55,9 +55,7 @@ def my_pieces_user(fork, append_with_copy_on_write):
         """
         if pieces is None:
             pieces = [name for name, (piece, _, probe) in mine.items() if is_written(lambda: probe(piece))]
-        unknown = set(pieces) - set(PIECES)
-        if unknown:
-            raise ValueError(f"pieces must be among {PIECES}, got {sorted(unknown)}")
+        check_pieces(pieces, PIECES)
         if llm.pool.enable_prefix_caching:
             raise ValueError("use_my_pieces needs an LLM with enable_prefix_caching=False: "
                              "your fork and append keep no prefix-cache state")

@@ -2,7 +2,7 @@
 and ``use_my_pieces(llm)``, which serves an ``LLM`` with prefix caching from your four pieces."""
 from kvlab.paging import BlockPool
 from kvlab.paging.prefix_hash import hash_blocks
-from kvlab.scaffold import is_written
+from kvlab.scaffold import check_pieces, is_written
 
 PIECES = ("block_hashes", "cached_prefix", "take_free_block", "release")
 
@@ -75,9 +75,7 @@ def my_pieces_user(block_hashes, cached_prefix, take_free_block, release):
         """
         if pieces is None:
             pieces = [name for name in PIECES if is_written(lambda: PROBES[name](mine[name]))]
-        unknown = set(pieces) - set(PIECES)
-        if unknown:
-            raise ValueError(f"pieces must be among {PIECES}, got {sorted(unknown)}")
+        check_pieces(pieces, PIECES)
         if not llm.pool.enable_prefix_caching:
             raise ValueError("use_my_pieces needs an LLM with enable_prefix_caching=True")
         chosen = [mine[name] if name in pieces else KVLAB_PIECES[name] for name in PIECES]

@@ -11,7 +11,7 @@ from kvlab import kernel_plan
 from kvlab.engine import LLM
 from kvlab.engine.spec_decode import DEFAULT_DRAFT_MODEL
 from kvlab.reference import attention_ref, gather_kv
-from kvlab.scaffold import is_written
+from kvlab.scaffold import check_pieces, is_written
 
 PIECES = ("chunked_attention", "online_softmax_update", "causal_tile_bounds")
 BLOCK_M = BLOCK_N = 16          # the tiles the engine's attention runs with
@@ -143,9 +143,7 @@ def my_attention_user(chunked_attention, attention, causal_tile_bounds):
         backend (``attention_backend_with``) goes in through the engine's plug-in point,
         ``LLM(attention_backend=...)``.
         """
-        unknown = set(pieces) - set(PIECES)
-        if isinstance(pieces, str) or unknown:
-            raise ValueError(f"pieces must be a collection of names among {PIECES}, got {pieces!r}")
+        check_pieces(pieces, PIECES)
         if "attention_backend" in settings:
             raise TypeError("use_my_attention sets attention_backend itself")
         backend = attention_backend_with(

@@ -8,7 +8,7 @@ from kvlab import kernel_plan
 from kvlab.engine import LLM
 from kvlab.engine.spec_decode import DEFAULT_DRAFT_MODEL
 from kvlab.kernels.paged_decode import merge_splits_kernel as course_merge_splits_kernel
-from kvlab.scaffold import is_written
+from kvlab.scaffold import check_pieces, is_written
 
 PIECES = ("split_ranges", "split_pages", "merge_splits", "merge_splits_kernel")
 NUM_SPLITS, BLOCK_N = 4, 16     # every decode step cuts each sequence into 4 splits of whole 16-token tiles
@@ -130,9 +130,7 @@ def my_decoding_user(split_ranges, split_pages, merge_splits, merge_with_kernel)
         without ``merge_splits``, prompt chunks are not split). The backend (``decoding_backend_with``) goes in
         through the engine's plug-in point, ``LLM(attention_backend=...)``.
         """
-        unknown = set(pieces) - set(PIECES)
-        if isinstance(pieces, str) or unknown:
-            raise ValueError(f"pieces must be a collection of names among {PIECES}, got {pieces!r}")
+        check_pieces(pieces, PIECES)
         if "attention_backend" in settings:
             raise TypeError("use_my_decoding sets attention_backend itself")
         backend = decoding_backend_with(

@@ -3,6 +3,7 @@
 from kvlab.engine.rejection_sampler import rejection_sample as kvlab_rejection_sample
 from kvlab.engine.spec_decode import NgramProposer
 from kvlab.paging import BlockPool
+from kvlab.scaffold import check_pieces
 
 PIECES = ("rejection_sample", "propose_ngram", "truncate")
 
@@ -47,9 +48,7 @@ def my_pieces_user(rejection_sample, proposer_class, pool_class):
         runs in ``llm.proposer``, and ``truncate`` in a fresh pool (``llm.use_pool``).
         Returns ``llm``.
         """
-        unknown = set(pieces) - set(PIECES)
-        if unknown:
-            raise ValueError(f"pieces must be among {PIECES}, got {sorted(unknown)}")
+        check_pieces(pieces, PIECES)
         spec = llm.engine_config.speculative_config
         if spec is None or spec.method != "ngram":
             raise ValueError("use_my_pieces needs an LLM with speculative_config={'method': 'ngram', ...}")
