@@ -88,7 +88,9 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype) -> tuple[torch.Tensor, torch.Te
         raise TypeError("x must be a floating-point tensor [..., head_dim]")
     x = x.float()
     amax = x.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
+    # amax times the float32 reciprocal of max, not amax / max: a GPU's PyTorch divides a tensor by
+    # a number that way, so this is the one rounding every device and the kernel agree on.
+    scale = torch.where(amax > 0, amax * (1.0 / fmt.max), torch.ones_like(amax))
     return _to_grid(x / scale[..., None], fmt), scale
 
 
