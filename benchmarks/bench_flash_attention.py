@@ -133,7 +133,7 @@ def measure_extend(batch, prefix, new, dim) -> dict:
     query_lens = torch.full((batch,), new, dtype=torch.int32, device="cuda")
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * new
     args = (q_packed, k_cache, v_cache, tables, seq_lens, query_lens)
-    hints = dict(validate=False, max_query_len=new, cu_query_lens=cu)
+    hints = dict(validate=False, max_query_len=new, max_seq_len=total, cu_query_lens=cu)   # as the engine calls it
     runs = {"kvlab": lambda: flash_attention(q, k, v, validate=False),
             "kvlab_paged": lambda: paged_prefill(*args, **hints),
             "kvlab_paged_new": lambda: paged_prefill(*args, k_new=k_new, v_new=v_new, **hints)}

@@ -417,7 +417,8 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
         lse = torch.empty((batch, num_heads, len_q), dtype=torch.float32, device=q.device) if return_lse else None
         strides = [(out.stride(0), out.stride(2), out.stride(1)),
                    (num_heads * len_q, 1, len_q) if return_lse else (0, 0, 0)]
-    cfg = _launch_config(head_dim, max_seqlen_q, block_m, block_n, num_warps, num_stages, q.element_size())
+    cfg = _launch_config(head_dim, max_seqlen_q, block_m, block_n, num_warps, num_stages, q.element_size(),
+                         max_len_k=len_k or None)
     if batch > 0 and max_seqlen_q > 0:
         grid = (triton.cdiv(max_seqlen_q, cfg["BLOCK_M"]), num_heads, batch)
         descs = [_tile_descriptor(t, rows, varlen) for t, rows in ((q, cfg["BLOCK_M"]), (k, cfg["BLOCK_N"]),
@@ -433,7 +434,7 @@ def flash_attention(q, k, v, causal: bool = True, sm_scale: float | None = None,
 def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale: float | None = None, *,
                   k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                   max_query_len: int | None = None, cu_query_lens: torch.Tensor | None = None,
-                  out: torch.Tensor | None = None, validate: bool = True, block_m: int | None = None,
+                  max_seq_len: int | None = None, out: torch.Tensor | None = None, validate: bool = True, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None) -> torch.Tensor:
     """Causal attention of a step's new tokens to their sequences' paged K/V (prefill and extend).
@@ -454,7 +455,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     check kernel's statistics of the lengths and the used block-table entries, which also give
     the grid's ``max_query_len``; see :mod:`kvlab.kernels.attention_checks`). Unchecked, ``max_query_len``
     spares the one read the grid needs, ``cu_query_lens`` (the running sum of ``query_lens`` with
-    a leading 0, if the caller has it) the two small launches that compute it.
+    a leading 0, if the caller has it) the two small launches that compute it. ``max_seq_len``
+    (the longest ``seq_lens``, if known) picks larger tiles for chunks over a long prefix.
     """
     longest_q = None
     if validate:
@@ -476,7 +478,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     # verified a given one, or wrote it).
     if cu_query_lens is None:
         cu_query_lens = torch.nn.functional.pad(torch.cumsum(query_lens, 0, dtype=torch.int32), (1, 0))
-    cfg = _launch_config(head_dim, max_query_len, block_m, block_n, num_warps, num_stages, q.element_size())
+    cfg = _launch_config(head_dim, max_query_len, block_m, block_n, num_warps, num_stages, q.element_size(),
+                         max_len_k=max_seq_len)
     new_kv = k_new is not None
     q_desc = _tile_descriptor(q, cfg["BLOCK_M"], varlen=True)
     k_new_desc, v_new_desc = ((_tile_descriptor(k_new, cfg["BLOCK_N"], varlen=True),

@@ -54,19 +54,23 @@ INTERPRETER_BLOCK_N = 16    # small tiles, so the interpreter's short sequences 
 SHARED_MEMORY_BUDGET = 200 * 1024   # bytes of K/V stages; an H100/H200 SM has 227 KiB for one program
 
 
-def tile_config(head_dim: int, max_len_q: int | None = None) -> dict:
+def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | None = None) -> dict:
     """``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` for this machine and head size.
 
     On a GPU: the configs that won a sweep on an H200 (``benchmarks/tune_attention.py``).
     Long sequences take 128 x 128 tiles, which reuse each loaded tile the most; short ones
     (up to 2K queries) take 64 x 64 tiles, which give the SMs more, shorter programs (causal
-    programs near the start of a sequence have little to do). ``head_dim`` 256 takes smaller
+    programs near the start of a sequence have little to do). Short queries over a long cached
+    prefix (``max_len_k`` >= 8K keys: a chunk of a long prompt) give every program many keys
+    again, so they take the 128 x 128 tiles too (measured for ``head_dim`` 128; at 64 the small
+    tiles stayed as fast). ``head_dim`` 256 takes smaller
     tiles so they still fit in shared memory. In the interpreter, 16 x 16 tiles let the short
     sequences it can run in seconds still cross several tiles, so the loop, the causal
     diagonal and the ragged end all run. ``BLOCK_M`` shrinks for short queries (a decode step
     has one), never below 16, the smallest ``tl.dot``.
     """
-    long = max_len_q is None or max_len_q > 2048
+    long = (max_len_q is None or max_len_q > 2048
+            or (max_len_k is not None and max_len_k >= 8192 and head_dim > 64))
     if profile.INTERPRETED:
         cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
     elif head_dim <= 128 and long:
@@ -82,10 +86,11 @@ def tile_config(head_dim: int, max_len_q: int | None = None) -> dict:
     return cfg
 
 
-def launch_config(head_dim, max_len_q, block_m, block_n, num_warps, num_stages, element_size=2) -> dict:
+def launch_config(head_dim, max_len_q, block_m, block_n, num_warps, num_stages, element_size=2,
+                  max_len_k=None) -> dict:
     """:func:`tile_config` with the caller's overrides (``None``: keep), checked; ``num_stages``
     left to the config shrinks until the K/V stages fit :data:`SHARED_MEMORY_BUDGET`."""
-    cfg = tile_config(head_dim, max_len_q)
+    cfg = tile_config(head_dim, max_len_q, max_len_k)
     for key, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
                        ("num_stages", num_stages)):
         if value is not None:

@@ -59,6 +59,9 @@ def test_tile_config(monkeypatch):
     assert kp.tile_config(256, 4096) == dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     assert kp.tile_config(128, 1)["BLOCK_M"] == 16 and kp.tile_config(128, 1)["num_warps"] == 4
     assert kp.tile_config(128, 40)["BLOCK_M"] == 64
+    # A chunk of 2K queries over a 32K prefix: big tiles; the same chunk over 4K keys, or at head_dim 64: small
+    assert kp.tile_config(128, 2048, 34816)["BLOCK_M"] == 128 == kp.tile_config(128, 2048, 34816)["BLOCK_N"]
+    assert kp.tile_config(128, 1024, 4096)["BLOCK_N"] == 64 == kp.tile_config(64, 2048, 34816)["BLOCK_N"]
 
 
 def test_launch_config(monkeypatch):

@@ -171,7 +171,8 @@ def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_s
     if not reads_new_kv(max_seq_len, max_query_len):
         k_new = v_new = None
     return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, k_new=k_new,
-                         v_new=v_new, max_query_len=max_query_len, cu_query_lens=cu_query_lens, validate=False)
+                         v_new=v_new, max_query_len=max_query_len, max_seq_len=max_seq_len,
+                         cu_query_lens=cu_query_lens, validate=False)
 
 
 # A backend that reads nothing back to the host can be recorded in a CUDA graph; one that does
