@@ -129,6 +129,20 @@ def test_step_through_renders_the_frame_the_slider_points_at():
         step_through([], draw)
 
 
+def test_step_through_without_widgets_draws_a_static_strip(monkeypatch):
+    monkeypatch.setenv("KVLAB_NO_WIDGETS", "1")
+    drawn = []
+
+    def draw(frame):
+        drawn.append(frame)
+        fig = Figure(figsize=(2, 1))
+        fig.subplots().plot([0, frame])
+        return fig
+
+    assert isinstance(step_through(list(range(10)), draw), Figure)
+    assert drawn == [0, 3, 6, 9]                     # pick_indices' four frames, first to last
+
+
 def test_pick_indices():
     assert pick_indices(3) == [0, 1, 2]
     assert pick_indices(10, 4) == [0, 3, 6, 9]

@@ -6,6 +6,7 @@ widget only redraws the one the slider points at.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 import numpy as np
@@ -25,13 +26,17 @@ def step_through(frames: Sequence, draw: Callable[[object], Figure], title: str 
                  interval_ms: int = 700):
     """A Play button and a slider over ``frames``; moving either redraws ``draw(frames[i])``.
 
-    Returns the widget box (display it, or leave it as a cell's last expression).
+    Returns the widget box (display it, or leave it as a cell's last expression). With the
+    environment variable ``KVLAB_NO_WIDGETS=1`` (a frontend without widgets), it returns
+    :func:`frames_strip`'s static figure of a few frames instead.
     """
+    if not frames:
+        raise ValueError("step_through needs at least one frame")
+    if os.environ.get("KVLAB_NO_WIDGETS") == "1":
+        return frames_strip(frames, draw)
     import ipywidgets as widgets
     from IPython.display import display
 
-    if not frames:
-        raise ValueError("step_through needs at least one frame")
     last = len(frames) - 1
     play = widgets.Play(value=0, min=0, max=last, step=1, interval=interval_ms, description="play")
     slider = widgets.IntSlider(value=0, min=0, max=last, step=1, description="frame",
