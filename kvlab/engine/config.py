@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 
 from kvlab.engine.scheduler import check_scheduling
 from kvlab.engine.spec_decode import SpeculativeConfig
+from kvlab.quantization import kv_cache_format
 from kvlab.validation import check_bool, check_count, check_fraction
 
 #: Batch sizes a decode step is padded up to, each replayed from its own CUDA graph (as vLLM).
@@ -40,6 +41,8 @@ class EngineConfig:
     ``scheduling_policy``: ``"fcfs"``, or ``"static"`` (a batch runs to completion before the
     next is admitted: chapter 8's baseline). ``prefill_priority_after``: seconds after which a
     waiting prompt's chunks go before the decodes (None: never). See :mod:`kvlab.engine.scheduler`.
+    ``kv_cache_dtype``: ``"auto"`` (the model's dtype), ``"fp8"`` (e4m3) or ``"int8"``, with a
+    float32 scale per (token, KV head) beside the values (:mod:`kvlab.quantization`).
     """
 
     block_size: int = 16
@@ -60,6 +63,7 @@ class EngineConfig:
     max_num_partial_prefills: int = 1
     scheduling_policy: str = "fcfs"
     prefill_priority_after: float | None = None
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         check_count("block_size", self.block_size, minimum=1)
@@ -74,6 +78,7 @@ class EngineConfig:
             check_count("seed", self.seed)
         check_scheduling(self.enable_chunked_prefill, self.long_prefill_token_threshold,
                          self.max_num_partial_prefills, self.scheduling_policy, self.prefill_priority_after)
+        kv_cache_format(self.kv_cache_dtype)         # a known name, or a clear error
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 

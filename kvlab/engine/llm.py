@@ -114,7 +114,7 @@ class LLM:
             gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
-            cudagraph_batch_sizes=config.cudagraph_batch_sizes(),
+            cudagraph_batch_sizes=config.cudagraph_batch_sizes(), kv_cache_dtype=config.kv_cache_dtype,
             extra_block_bytes=block_bytes(draft.config, config.block_size, draft.dtype) if draft else 0)
         self.proposer = self._make_proposer(spec, draft, config)
         self.spec_decode_stats = SpecDecodeStats() if spec else None

@@ -30,20 +30,22 @@ import itertools
 
 import torch
 
-from kvlab.accounting import kv_bytes_per_token
+from kvlab.accounting import kv_cache_bytes_per_token
 from kvlab.engine.cuda_graphs import CudaGraphs
 from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.models.backends import get_attention_backend
 from kvlab.models.context import DECODE, UNIFORM, build_attention_context, step_phase
 from kvlab.paging.block_pool import blocks_needed, check_count
 from kvlab.paging.kv_cache import allocate_kv_cache
+from kvlab.quantization import kv_cache_format
 
 CPU_KV_CACHE_BYTES = 1 << 30  # the most memory the KV cache takes on the CPU by default (1 GiB)
 
 
-def block_bytes(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block: K and V of ``block_size`` tokens in every layer (chapter 1's formula)."""
-    return block_size * kv_bytes_per_token(config.spec(), str(dtype).removeprefix("torch."))
+def block_bytes(config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block: K and V of ``block_size`` tokens in every layer (chapter 1's formula),
+    as ``kv_cache_dtype`` stores them (scales included)."""
+    return block_size * kv_cache_bytes_per_token(config.spec(), kv_cache_dtype, str(dtype).removeprefix("torch."))
 
 
 def pick_attention_backend(backend, device: torch.device):
@@ -61,7 +63,8 @@ class ModelRunner:
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  attention_backend="auto", enforce_eager: bool = False,
-                 cudagraph_batch_sizes: list[int] | None = None, extra_block_bytes: int = 0):
+                 cudagraph_batch_sizes: list[int] | None = None, extra_block_bytes: int = 0,
+                 kv_cache_dtype: str = "auto"):
         check_count("block_size", block_size, minimum=1)
         self.extra_block_bytes = check_count("extra_block_bytes", extra_block_bytes)
         self.model = model.fuse()
@@ -70,6 +73,10 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len or self.config.max_position_embeddings
         self.backend = pick_attention_backend(attention_backend, self.device)
+        self.kv_cache_dtype = kv_cache_dtype
+        if kv_cache_format(kv_cache_dtype) is not None and "k_scale" not in self.backend.hints:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs an attention backend that reads a quantised "
+                             f"cache (its signature takes k_scale and v_scale); {self.backend.name!r} does not")
         use_graphs = self.device.type == "cuda" and not enforce_eager and self.backend.cuda_graph_safe
         graph_sizes = (cudagraph_batch_sizes or [1, 2, 4, 8]) if use_graphs else []
         if num_gpu_blocks is None:
@@ -78,7 +85,7 @@ class ModelRunner:
         check_count("num_gpu_blocks", num_gpu_blocks, minimum=1)
         c = self.config
         self.kv_cache = allocate_kv_cache(c.num_layers, num_gpu_blocks, block_size, c.num_kv_heads, c.head_dim,
-                                          dtype=model.dtype, device=self.device)
+                                          dtype=model.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype)
         self.graphs = None                                   # decode steps
         self.uniform_graphs: dict[int, CudaGraphs] = {}      # steps of q > 1 tokens per sequence, by q
         self._graph_sizes = graph_sizes
@@ -108,7 +115,8 @@ class ModelRunner:
         # extra_block_bytes: what each block costs elsewhere (a draft model's cache of as many blocks)
         # Never more blocks than max_num_seqs full-length sequences can fill. (vLLM takes the whole
         # budget; capping it lets a notebook keep several small engines in one process.)
-        per_block = block_bytes(self.config, self.block_size, self.model.dtype) + self.extra_block_bytes
+        per_block = (block_bytes(self.config, self.block_size, self.model.dtype, self.kv_cache_dtype)
+                     + self.extra_block_bytes)
         wanted = max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
         if self.device.type == "cuda":
             budget = self._gpu_kv_budget(gpu_memory_utilization, max_num_batched_tokens, max_graph_batch)
@@ -204,8 +212,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             from kvlab.kernels import copy_blocks
 
-            copy_blocks([self.kv_cache.k, self.kv_cache.v], mapping, validate=False)
+            copy_blocks(self.kv_cache.block_tensors(), mapping, validate=False)
         else:                       # the CPU profile: PyTorch, not the interpreter
             from kvlab.reference import copy_blocks_ref
 
-            copy_blocks_ref([self.kv_cache.k, self.kv_cache.v], mapping)
+            copy_blocks_ref(self.kv_cache.block_tensors(), mapping)

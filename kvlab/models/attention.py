@@ -90,7 +90,9 @@ class Attention(nn.Module):
             if x.dim() != 2:
                 raise ValueError(f"with an AttentionContext the tokens must be flat [num_tokens, hidden], "
                                  f"got {list(x.shape)}")
-            k_cache, v_cache = ctx.kv_cache.k[self.layer_idx], ctx.kv_cache.v[self.layer_idx]
-            q, k = ops.rope_and_write_kv(q, k, v, positions, self.rotary, k_cache, v_cache, ctx.slot_mapping)
-            out = ctx.backend(q, k_cache, v_cache, self.sm_scale, ctx, k_new=k, v_new=v)
+            k_cache, v_cache, k_scale, v_scale = ctx.kv_cache.layer(self.layer_idx)
+            q, k = ops.rope_and_write_kv(q, k, v, positions, self.rotary, k_cache, v_cache, ctx.slot_mapping,
+                                         k_scale, v_scale)
+            scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+            out = ctx.backend(q, k_cache, v_cache, self.sm_scale, ctx, k_new=k, v_new=v, **scales)
         return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))

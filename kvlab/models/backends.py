@@ -35,27 +35,34 @@ from typing import Callable
 import torch
 
 from kvlab.kernel_plan import num_sms
+from kvlab.quantization import dequantize_kv
 from kvlab.reference import paged_attention_ref
 
 # What a backend can receive beyond the seven positional arguments, each only if its signature
 # names it (see AttentionContext for their meaning).
-HINTS = ("phase", "max_seq_len", "max_query_len", "cu_query_lens", "num_splits", "k_new", "v_new")
+HINTS = ("phase", "max_seq_len", "max_query_len", "cu_query_lens", "num_splits", "k_new", "v_new",
+         "k_scale", "v_scale")
 
 
-def reference_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale):
+def reference_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, k_scale=None,
+                      v_scale=None):
+    if k_scale is not None:     # a quantised cache: the reference dequantises the whole layer first
+        k_cache, v_cache = dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale)
     out = paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_lens, causal=True,
                               sm_scale=sm_scale, dtype=torch.float32)
     return out.to(q.dtype)
 
 
 def torch_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, max_seq_len=None,
-                  max_query_len=None, cu_query_lens=None):
-    """Gather-then-attend for the whole batch at once (padded to the longest sequence)."""
+                  max_query_len=None, cu_query_lens=None, k_scale=None, v_scale=None):
+    """Gather-then-attend for the whole batch at once (padded to the longest sequence). A
+    quantised cache is dequantised as it is gathered (only the blocks the batch reads)."""
     batch, num_heads, head_dim = seq_lens.shape[0], q.shape[1], q.shape[2]
     plan = _batch_plan(block_tables, seq_lens, query_lens, k_cache.shape[1], q.shape[0], max_seq_len,
                        max_query_len, cu_query_lens)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    k, v = (_gather(cache, plan, batch).transpose(1, 2).to(dtype) for cache in (k_cache, v_cache))
+    k, v = (_gather(cache, plan, batch, scale, dtype).transpose(1, 2)
+            for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)))
     if plan.rows is None:       # every sequence has max_query_len queries: the packed rows as they are
         qp = q.view(batch, -1, num_heads, head_dim)
     else:
@@ -66,12 +73,18 @@ def torch_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     return out.to(q.dtype)                                                           # [num_tokens, H, D]
 
 
-def _gather(cache, plan, batch: int) -> torch.Tensor:
-    """One layer's K (or V) of every sequence side by side, ``[batch, L, num_kv_heads, head_dim]``.
+def _gather(cache, plan, batch: int, scale=None, dtype=torch.float32) -> torch.Tensor:
+    """One layer's K (or V) of every sequence side by side, ``[batch, L, num_kv_heads, head_dim]``
+    in ``dtype``; with ``scale`` (a quantised cache) the gathered values are dequantised.
 
     Slots past a sequence's end may hold anything, NaN included, and a masked key's zero weight
     times a NaN value is still NaN: they are zeroed (in the gathered copy)."""
-    rows = cache.index_select(0, plan.pages).view(-1, *cache.shape[2:])             # [B * L, KV, D]
+    if scale is None:
+        rows = cache.index_select(0, plan.pages).view(-1, *cache.shape[2:]).to(dtype)   # [B * L, KV, D]
+    else:       # float8 is gathered as bytes: not every device indexes float8 tensors
+        values = cache.view(torch.uint8).index_select(0, plan.pages).view(cache.dtype)
+        scales = scale.index_select(0, plan.pages)
+        rows = dequantize_kv(values, scales, dtype).view(-1, *cache.shape[2:])
     return rows.index_fill_(0, plan.missing, 0.0).view(batch, -1, *cache.shape[2:])
 
 
@@ -154,20 +167,29 @@ def reads_new_kv(max_seq_len: int | None, max_query_len: int | None) -> bool:
 
 def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, phase="mixed",
                    max_seq_len=None, max_query_len=None, cu_query_lens=None, num_splits=None, k_new=None,
-                   v_new=None):
-    """The course's kernels; the engine built the arguments, so they are not checked again."""
+                   v_new=None, k_scale=None, v_scale=None):
+    """The course's kernels; the engine built the arguments, so they are not checked again.
+
+    A quantised cache (``k_scale``/``v_scale``): ``paged_decode`` dequantises in registers;
+    ``paged_prefill`` cannot yet, so prompt and chunk steps gather and dequantise the blocks
+    they read (:func:`torch_backend`)."""
     from kvlab.kernels import paged_decode, paged_prefill   # here: kvlab.models loads without Triton
 
+    scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
     if phase == "decode":
         return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits, sm_scale,
-                            max_seq_len=max_seq_len, validate=False)
+                            max_seq_len=max_seq_len, validate=False, **scales)
     batch, num_heads = seq_lens.shape[0], q.shape[1]
-    if phase == "uniform" and max_query_len and verify_with_paged_decode(
-            batch, max_query_len, num_heads, k_cache.shape[2], num_sms(q.device)):
+    if phase == "uniform" and max_query_len and (scales or verify_with_paged_decode(
+            batch, max_query_len, num_heads, k_cache.shape[2], num_sms(q.device))):
         rows = torch.arange(1 - max_query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
         return paged_decode(q, k_cache, v_cache, block_tables.repeat_interleave(max_query_len, dim=0),
                             (seq_lens[:, None] + rows).flatten(), None, sm_scale,
-                            max_seq_len=max_seq_len or int(seq_lens.max()), validate=False)
+                            max_seq_len=max_seq_len or int(seq_lens.max()), validate=False, **scales)
+    if scales:
+        return torch_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale,
+                             max_seq_len=max_seq_len, max_query_len=max_query_len, cu_query_lens=cu_query_lens,
+                             **scales)
     if not reads_new_kv(max_seq_len, max_query_len):
         k_new = v_new = None
     return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, k_new=k_new,
@@ -200,6 +222,10 @@ class AttentionBackend:
     def __call__(self, q, k_cache, v_cache, sm_scale, ctx, **extra) -> torch.Tensor:
         """Attend through ``ctx`` (an :class:`~kvlab.models.context.AttentionContext`);
         ``extra`` holds the layer's own hints (``k_new``, ``v_new``)."""
+        if "k_scale" in extra and "k_scale" not in self.hints:
+            raise ValueError(f"attention backend {self.name!r} cannot read a quantised KV cache "
+                             f"(kv_cache_dtype={ctx.kv_cache.kv_cache_dtype!r}): its signature must take "
+                             f"k_scale and v_scale")
         known = dict(ctx.hints(), **extra)
         taken = {name: known[name] for name in self.hints if name in known}
         return self.fn(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, ctx.query_lens, sm_scale, **taken)

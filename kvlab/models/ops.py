@@ -66,9 +66,16 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-def rope_and_write_kv(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping):
+def rope_and_write_kv(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
     """Rotate ``q`` and ``k`` by their tokens' positions, write ``k`` and ``v`` to the cache
-    slots ``slot_mapping`` (-1: write nothing); returns the rotated ``(q, k)``."""
+    slots ``slot_mapping`` (-1: write nothing); returns the rotated ``(q, k)``. With
+    ``k_scale``/``v_scale`` the cache is quantised: each (token, KV head) row is stored in the
+    cache's format and its scale beside it."""
+    if k_scale is not None:
+        cos, sin = rotary(positions)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        write_kv_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+        return q, k
     if use_kernels(q):
         from kvlab.kernels import rotary_write_kv
 
@@ -89,6 +96,24 @@ def rope_and_write_kv(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_rows)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_rows)
     return q, k
+
+
+def write_kv_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
+    """Quantise and scatter a step's K/V: the Triton kernel where kernels run, else its
+    PyTorch reference (bytes copied as uint8, which every device can index)."""
+    if use_kernels(k):
+        from kvlab.kernels import write_kv_quantized as kernel
+
+        kernel(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, validate=False)
+        return
+    from kvlab.quantization import quantize_kv
+
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    for x, cache, scales in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
+        values, scale = quantize_kv(x, cache.dtype)
+        cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, values.view(torch.uint8))
+        scales.view(-1, scales.shape[-1]).index_copy_(0, slots, scale)
 
 
 def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

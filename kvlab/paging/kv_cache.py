@@ -21,16 +21,50 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.paging.block_pool import check_count
+from kvlab.quantization import QUANTIZED_DTYPES, kv_cache_format
 
 PAD_SLOT = -1  # a slot-mapping entry that writes nothing (padding tokens)
 
 
 @dataclass
 class KVCache:
-    """K and V of every layer: ``k[layer]`` is ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """K and V of every layer: ``k[layer]`` is ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    A quantised cache (``kv_cache_dtype`` "fp8" or "int8", chapter 9) holds ``k``/``v`` in that
+    format and one float32 scale per (slot, KV head) beside them: ``k_scale[layer]`` is
+    ``[num_blocks, block_size, num_kv_heads]``, so one slot index finds a token's values and
+    its scales.
+    """
 
     k: torch.Tensor  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
     v: torch.Tensor
+    k_scale: torch.Tensor | None = None   # [num_layers, num_blocks, block_size, num_kv_heads] float32
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """"auto" (the model's dtype), "fp8" or "int8"."""
+        if not self.quantized:
+            return "auto"
+        return QUANTIZED_DTYPES[self.k.dtype].name
+
+    def layer(self, index: int) -> tuple:
+        """``(k, v, k_scale, v_scale)`` of one layer (scales ``None`` unless quantised)."""
+        if not self.quantized:
+            return self.k[index], self.v[index], None, None
+        return self.k[index], self.v[index], self.k_scale[index], self.v_scale[index]
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a block lives in, as ``[num_layers, num_blocks, ...]`` views that copy
+        bytes exactly (float8 as uint8): what copy-on-write copies."""
+        if not self.quantized:
+            return [self.k, self.v]
+        return [self.k.view(torch.uint8), self.v.view(torch.uint8), self.k_scale.unsqueeze(-1),
+                self.v_scale.unsqueeze(-1)]
 
     @property
     def num_layers(self) -> int:
@@ -54,7 +88,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        scales = 2 * self.k_scale.numel() * self.k_scale.element_size() if self.quantized else 0
+        return 2 * self.k.numel() * self.k.element_size() + scales
 
 
 def allocate_kv_cache(
@@ -65,13 +100,25 @@ def allocate_kv_cache(
     head_dim: int,
     dtype: torch.dtype = torch.float16,
     device: str | torch.device = "cpu",
+    kv_cache_dtype: str = "auto",
 ) -> KVCache:
-    """Allocate (uninitialised) K and V caches for every layer."""
+    """Allocate (uninitialised) K and V caches for every layer.
+
+    ``kv_cache_dtype`` "auto" stores ``dtype``; "fp8" (e4m3) or "int8" store that format with
+    float32 scales beside (see :mod:`kvlab.quantization`).
+    """
     for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
         check_count(name, value, minimum=1)
     shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-    return KVCache(k=torch.empty(shape, dtype=dtype, device=device), v=torch.empty(shape, dtype=dtype, device=device))
+    fmt = kv_cache_format(kv_cache_dtype)       # checks the name
+    if fmt is None:
+        return KVCache(k=torch.empty(shape, dtype=dtype, device=device),
+                       v=torch.empty(shape, dtype=dtype, device=device))
+    return KVCache(k=torch.empty(shape, dtype=fmt.dtype, device=device),
+                   v=torch.empty(shape, dtype=fmt.dtype, device=device),
+                   k_scale=torch.ones(shape[:-1], dtype=torch.float32, device=device),
+                   v_scale=torch.ones(shape[:-1], dtype=torch.float32, device=device))
 
 
 def batch_slot_mapping(pool, requests, pad_to: int | None = None, device="cpu") -> torch.Tensor:
