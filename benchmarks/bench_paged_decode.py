@@ -17,6 +17,10 @@ SPLIT_COUNTS with every tile of TILES and every (num_warps, num_stages) of LAUNC
 reports the best (``sweep`` in the JSON: every config; ``best``: the winner per shape, beside
 what ``choose_num_splits`` picked). Every output is poisoned (NaN) before the call that fills
 it, and checked against cuDNN's before it is timed.
+
+``--kv-cache-dtype fp8[,int8]`` (``quantized`` in the JSON): the engine's call over a quantised
+copy of the same cache (values and a float32 scale per token and KV head) against the bf16
+call, at QUANT_SHAPES; each output is checked against cuDNN on the dequantised K/V first.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ MEDIUM_SHAPES = [(2, 8192), (2, 32768), (4, 8192), (4, 32768), (8, 8192), (8, 32
 SPLIT_COUNTS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 TILES = [64, 128]                                   # BLOCK_N
 LAUNCHES = [(4, 2), (4, 3), (8, 2), (8, 3)]         # (num_warps, num_stages)
+QUANT_SHAPES = [(32, 32768), (1, 131072), (8, 8192), (1, 32768), (32, 1024)]
 MAX_ERROR = 3e-2                                    # bf16: max |paged_decode - cuDNN| allowed before timing
 
 
@@ -194,10 +199,39 @@ def chapter_rows() -> list[dict]:
     return rows
 
 
+def quantized(batch: int, seq_len: int, kv_cache_dtype: str, num_sms: int) -> dict:
+    """The engine's call on a ``kv_cache_dtype`` cache against the bf16 one, same K/V and splits."""
+    from kvlab.quantization import dequantize_kv, quantize_kv
+
+    q, k_cache, v_cache, tables, seq_lens = make_batch(batch, seq_len)
+    (k8, k_scale), (v8, v_scale) = quantize_kv(k_cache, kv_cache_dtype), quantize_kv(v_cache, kv_cache_dtype)
+    k, v = contiguous_kv(dequantize_kv(k8, k_scale, torch.bfloat16), dequantize_kv(v8, v_scale, torch.bfloat16),
+                         tables)
+    want = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)
+    splits = choose_num_splits(batch, KV_HEADS, seq_len, num_sms)
+    out = torch.empty_like(q)
+    bf16 = bench(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, splits, validate=False, out=out))
+    quant = checked_seconds(lambda: paged_decode(q, k8, v8, tables, seq_lens, splits, validate=False, out=out,
+                                                 k_scale=k_scale, v_scale=v_scale), out, want)
+    quant_bytes = 2 * batch * seq_len * KV_HEADS * (DIM + 4)        # one byte a value, a float32 scale a row
+    row = {"kv_cache_dtype": kv_cache_dtype, "batch": batch, "seq_len": seq_len, "num_splits": splits,
+           "bf16_us": round(bf16 * 1e6, 1), "bf16_TBps": round(kv_tbps(batch, seq_len, bf16), 2)}
+    if isinstance(quant, float):
+        row.update(quant_us=round(quant * 1e6, 1), quant_TBps=round(quant_bytes / quant / 1e12, 2),
+                   time_vs_bf16=round(quant / bf16, 3))
+    else:
+        row.update(quant_us=quant, quant_TBps="-", time_vs_bf16="-")
+    print(row, flush=True)
+    del q, k_cache, v_cache, k8, v8, k_scale, v_scale, k, v, want, out
+    torch.cuda.empty_cache()
+    return row
+
+
 def main() -> None:
     parser = arguments()
     parser.add_argument("--sweep", action="store_true", help="time every split count x tile x launch config")
     parser.add_argument("--no-chapter", action="store_true", help="skip chapter 6's table (rows)")
+    parser.add_argument("--kv-cache-dtype", default="", help="also time quantised caches: fp8, int8 or fp8,int8")
     args = parser.parse_args()
     env = environment()
     ceiling = copy_bandwidth()
@@ -219,6 +253,10 @@ def main() -> None:
         print_table(best, ["batch", "seq_len", "num_splits", "block_n", "num_warps", "num_stages", "us", "TBps",
                            "cudnn_TBps", "vs_cudnn", "chosen_splits", "chosen_TBps", "chosen_vs_best"])
     payload = {"env": env, "copy_ceiling_Bps": ceiling, "rows": rows, "medium": medium_rows}
+    if args.kv_cache_dtype:
+        payload["quantized"] = [quantized(batch, seq_len, fmt, env["sms"]) for fmt in args.kv_cache_dtype.split(",")
+                                for batch, seq_len in QUANT_SHAPES]
+        print_table(payload["quantized"], list(payload["quantized"][0]))
     if args.sweep:
         payload.update(sweep=sweep, best=best, split_counts=SPLIT_COUNTS, tiles=TILES, launches=LAUNCHES)
     save("paged_decode", payload, args.out)
