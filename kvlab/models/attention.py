@@ -72,7 +72,7 @@ class Attention(nn.Module):
         """``q [..., H, D]``, ``k``, ``v [..., KV, D]``: views into one output when fused."""
         lead = x.shape[:-1]
         if self.qkv is not None:
-            qkv = F.linear(x, *self.qkv)
+            qkv = ops.linear(x, *self.qkv)
             q, k, v = qkv.split([self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -95,4 +95,4 @@ class Attention(nn.Module):
                                          k_scale, v_scale)
             scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
             out = ctx.backend(q, k_cache, v_cache, self.sm_scale, ctx, k_new=k, v_new=v, **scales)
-        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
+        return ops.linear(out.reshape(*lead, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)

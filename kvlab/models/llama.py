@@ -63,7 +63,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(ops.silu_and_mul(F.linear(x, *self.gate_up)))
+        return ops.linear(ops.silu_and_mul(ops.linear(x, *self.gate_up)), self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):

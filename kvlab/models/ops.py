@@ -116,31 +116,37 @@ def write_kv_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -
         scales.view(-1, scales.shape[-1]).index_copy_(0, slots, scale)
 
 
-def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Logits ``hidden @ weight.T``. On the CPU, in inference, through oneDNN with the weight
-    reordered once into its blocked layout: the vocabulary-wide product is the largest of a
-    decode step, and there oneDNN's small-batch kernel is about twice MKL's."""
-    if hidden.is_cuda or torch.is_grad_enabled() or hidden.dtype != torch.float32 \
-            or not torch.backends.mkldnn.is_available() or hidden.numel() == 0:
-        return nn.functional.linear(hidden, weight)
-    flat = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias``. On the CPU, in inference, through oneDNN with the weight
+    reordered once into its blocked layout: at a decode step's few rows its kernel reads the
+    weight about 1.4-2x faster than MKL's (the CPU engine's step is mostly these products)."""
+    if x.is_cuda or torch.is_grad_enabled() or x.dtype != torch.float32 \
+            or not torch.backends.mkldnn.is_available() or x.numel() == 0:
+        return nn.functional.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
     # oneDNN picks its kernel by the layout: one for a single row, one for batches.
     packed = _onednn_weight(weight, rows=1 if flat.shape[0] == 1 else ONEDNN_BATCH)
-    out = torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")
-    return out.view(*hidden.shape[:-1], weight.shape[0])
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def lm_head(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Logits ``hidden @ weight.T``: the vocabulary-wide product, the largest of a decode step."""
+    return linear(hidden, weight)
 
 
 ONEDNN_BATCH = 64      # the batch size oneDNN lays a weight out for (any batch of 2 or more may use it)
-_onednn_weights: dict[tuple, tuple] = {}
 
 
 def _onednn_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """``weight`` in oneDNN's layout for products of ``rows`` rows, made once (again if it changed)."""
-    cached = _onednn_weights.get((id(weight), rows))
-    if cached is None or cached[0] is not weight or cached[1] != weight._version:   # new or changed
+    """``weight`` in oneDNN's layout for products of ``rows`` rows, made once (again if it changed).
+    Kept on the weight itself, so it lives exactly as long as the weight."""
+    packs = weight.__dict__.setdefault("_onednn_packs", {})
+    version, packed = packs.get(rows, (None, None))
+    if version != weight._version:               # new, or the weight changed in place
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
-        cached = _onednn_weights[id(weight), rows] = (weight, weight._version, packed)
-    return cached[2]
+        packs[rows] = (weight._version, packed)
+    return packed
 
 
 def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
