@@ -120,20 +120,29 @@ def engine_ratio(row: dict, max_seq_len: int, max_query_len: int) -> float:
     return row["paged_new_vs_contiguous" if reads_new_kv(max_seq_len, max_query_len) else "paged_vs_contiguous"]
 
 
-def measure_extend(batch, prefix, new, dim) -> dict:
-    """``new`` tokens per sequence attending to a cached prefix of ``prefix`` tokens and to themselves."""
+def extend_inputs(batch, prefix, new, dim) -> dict:
+    """Random bf16 inputs of one extend, contiguous (``q``, ``k``, ``v``) and paged: ``args`` of
+    ``paged_prefill``, the ``hints`` the engine passes, the new tokens' ``k_new``/``v_new``,
+    and the causal ``flops``."""
     total = prefix + new
     q = torch.randn(batch, HEADS, new, dim, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(batch, HEADS, total, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    flops = 4 * batch * HEADS * dim * (new * prefix + new * (new + 1) / 2)
     k_cache, v_cache, tables = paged_copy(k, v)
-    q_packed = packed(q)
-    k_new, v_new = packed(k[:, :, prefix:]), packed(v[:, :, prefix:])
     seq_lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
     query_lens = torch.full((batch,), new, dtype=torch.int32, device="cuda")
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * new
-    args = (q_packed, k_cache, v_cache, tables, seq_lens, query_lens)
-    hints = dict(validate=False, max_query_len=new, max_seq_len=total, cu_query_lens=cu)   # as the engine calls it
+    return {"q": q, "k": k, "v": v, "flops": 4 * batch * HEADS * dim * (new * prefix + new * (new + 1) / 2),
+            "args": (packed(q), k_cache, v_cache, tables, seq_lens, query_lens),
+            "hints": dict(validate=False, max_query_len=new, max_seq_len=total, cu_query_lens=cu),  # the engine's
+            "k_new": packed(k[:, :, prefix:]), "v_new": packed(v[:, :, prefix:])}
+
+
+def measure_extend(batch, prefix, new, dim) -> dict:
+    """``new`` tokens per sequence attending to a cached prefix of ``prefix`` tokens and to themselves."""
+    total = prefix + new
+    case = extend_inputs(batch, prefix, new, dim)
+    q, k, v, flops, args, hints = (case[key] for key in ("q", "k", "v", "flops", "args", "hints"))
+    k_new, v_new = case["k_new"], case["v_new"]
     runs = {"kvlab": lambda: flash_attention(q, k, v, validate=False),
             "kvlab_paged": lambda: paged_prefill(*args, **hints),
             "kvlab_paged_new": lambda: paged_prefill(*args, k_new=k_new, v_new=v_new, **hints)}

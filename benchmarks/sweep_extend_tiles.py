@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from bench_flash_attention import HEADS, packed, paged_copy  # noqa: E402
+from bench_flash_attention import extend_inputs, packed  # noqa: E402
 from common import arguments, bench, environment, save  # noqa: E402
 from kvlab.kernel_plan import launch_config  # noqa: E402
 from kvlab.kernels.flash_attention import flash_attention, paged_prefill  # noqa: E402
@@ -33,25 +33,16 @@ CONFIGS = {"default": {}, "128x128": dict(block_m=128, block_n=128, num_warps=8,
 
 def measure(batch: int, prefix: int, new: int, dim: int) -> dict:
     total = prefix + new
-    q = torch.randn(batch, HEADS, new, dim, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(batch, HEADS, total, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    flops = 4 * batch * HEADS * dim * (new * prefix + new * (new + 1) / 2)
-    k_cache, v_cache, tables = paged_copy(k, v)
-    q_packed = packed(q)
-    seq_lens = torch.full((batch,), total, dtype=torch.int32, device="cuda")
-    query_lens = torch.full((batch,), new, dtype=torch.int32, device="cuda")
-    cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * new
-    new_kv = (dict(k_new=packed(k[:, :, prefix:]), v_new=packed(v[:, :, prefix:]))
-              if reads_new_kv(total, new) else {})
+    case = extend_inputs(batch, prefix, new, dim)
+    q, k, v, flops, args, hints = (case[key] for key in ("q", "k", "v", "flops", "args", "hints"))
+    new_kv = dict(k_new=case["k_new"], v_new=case["v_new"]) if reads_new_kv(total, new) else {}
     ref = packed(flash_attention(q, k, v, validate=False)).float()
     row = {"shape": [batch, prefix, new, dim], "default": launch_config(dim, new, None, None, None, None, 2)}
     for name, config in CONFIGS.items():
         if dim == 64 and config.get("num_warps") == 8:
             config = dict(config, num_warps=4)
         contiguous = lambda: flash_attention(q, k, v, validate=False, **config)  # noqa: E731
-        paged = lambda: paged_prefill(q_packed, k_cache, v_cache, tables, seq_lens, query_lens,  # noqa: E731
-                                      validate=False, max_query_len=new, max_seq_len=total, cu_query_lens=cu,
-                                      **new_kv, **config)
+        paged = lambda: paged_prefill(*args, **hints, **new_kv, **config)  # noqa: E731
         row["err_" + name] = float((paged().float() - ref).abs().max())
         row["c_" + name] = round(flops / bench(contiguous) / 1e12, 1)
         row["p_" + name] = round(flops / bench(paged) / 1e12, 1)
