@@ -98,20 +98,26 @@ def decode_split_kernel(
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
         if KV_QUANT:
-            # Dequantise in registers: value * its token's scale, in q's dtype for the dots.
-            # No dequantised copy of the cache is ever written.
+            # Dequantise in registers, never in memory. The codes convert exactly to q's dtype
+            # (e4m3 and int8 values are bf16 numbers); a key's scale multiplies its score column
+            # after the dot, and a value's scale its probability column before the second dot.
+            # So the scales touch [GROUP_PAD, BLOCK_N] tiles, not the 8x larger K and V tiles.
             k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
-            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale   # [GROUP_PAD, BLOCK_N]
+        if KV_QUANT:
+            scores = scores * k_scale[None, :]
         scores = tl.where(valid[None, :], scores, float("-inf"))
         # Online softmax: a larger max rescales what was summed so far by exp(m_old - m_new).
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
+        if KV_QUANT:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m = m_new
 

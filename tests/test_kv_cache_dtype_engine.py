@@ -117,10 +117,11 @@ def test_the_accuracy_benchmark_measures_through_the_cache():
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     model = LLM(**SMALL).model_runner.model
-    window = torch.tensor(PROMPTS[3] * 2)
+    window = torch.tensor(PROMPTS[3] * 2, device=model.device)
     with torch.inference_mode():
-        plain = model.compute_logits(model(window, torch.arange(len(window)))).float()
+        plain = model.compute_logits(model(window, torch.arange(len(window), device=model.device))).float()
     auto, fp8 = (bench.window_logits(model, window, fmt, block_size=8) for fmt in ("auto", "fp8"))
-    torch.testing.assert_close(auto, plain, rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if model.dtype == torch.float32 else 3e-2     # bf16 on a GPU: other kernels, other roundings
+    torch.testing.assert_close(auto, plain, rtol=tol, atol=tol)
     err = ((fp8 - plain).norm() / plain.norm()).item()
     assert 0 < err < 0.1
