@@ -35,6 +35,7 @@ CHAPTERS = {
     "ch06": "FlashDecoding",
     "ch07": "Speculative decoding",
     "ch08": "Continuous batching",
+    "ch09": "KV-cache quantisation and offload",
 }
 
 
@@ -67,6 +68,7 @@ KERNEL_TASKS = {
     "ch02": {"write_kv_kernel": "write_kv_kernel"},
     "ch05": {"online_softmax": "online_softmax_update (in attention_kernel)"},
     "ch06": {"merge_kernel": "merge_splits_kernel"},
+    "ch09": {"write_kernel": "write_kv_quantized_kernel"},
 }
 CRASH_HINT = ("This is usually an out-of-bounds load or store: a slot of -1 (padding) that is not masked "
               "off, or a load/store without a mask past the end of a row.")

@@ -135,5 +135,5 @@ def test_given_code_is_shared_not_copied():
 
 def test_kernels_are_compared_too():
     for chapter, kernel in (("ch02", "write_kv_kernel"), ("ch05", "online_softmax_update"),
-                            ("ch06", "merge_splits_kernel")):
+                            ("ch06", "merge_splits_kernel"), ("ch09", "write_kv_quantized_kernel")):
         assert kernel in interface(load_chapter(chapter, "exercises")), f"{chapter}.{kernel}"

@@ -1,0 +1,158 @@
+"""Chapter 9 exercises: a quantised KV cache (fp8, int8) and the swap-or-recompute choice.
+
+Fill in every function that raises NotImplementedError, then grade your work:
+
+    kvlab grade ch09                                 # in a terminal
+    kvlab.check("ch09")                              # in the notebook
+    pytest tests/graded -m ch09 --impl=exercises     # the same tests, raw
+
+Tasks: ``quantize`` (``quantize_kv`` and ``dequantize_kv``: codes and one scale per
+(token, KV head)), ``write_kernel`` (the body of the Triton kernel that quantises K/V as it
+scatters them into the paged cache), ``preemption_mode`` (``swap_seconds``,
+``recompute_seconds`` and ``preemption_mode``: swap a preempted sequence's blocks to the host,
+or drop them and recompute), ``crossover`` (``crossover_tokens``: the length from which swapping
+wins). Then ``use_my_quantization(llm)`` (given, at the end) serves an ``LLM(kv_cache_dtype=
+"fp8")`` through your pieces. Stuck? ``kvlab.use_solution("ch09")`` swaps in the answer and keeps
+yours as ``exercises/ch09_mine.py``.
+
+The formats (vLLM's ``kv_cache_dtype`` names): ``"fp8"`` is float8 e4m3 (``torch.float8_e4m3fn``,
+largest value 448); ``"int8"`` is the integers -127..127 (``torch.int8``; -128 is left out so the
+grid is symmetric).
+"""
+import math  # noqa: F401  (you may use it)
+
+import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
+import torch  # noqa: F401  (you will use it)
+import triton
+import triton.language as tl
+
+# Given: the course's rounding helpers, for your kernel (read kernels/write_kv_quant.py):
+# round_to_e4m3(y) rounds float32 |y| <= 448 to the nearest e4m3 value, round_half_even(y) to
+# the nearest integer (ties to even); both return float32.
+from kvlab.kernels.write_kv_quant import round_half_even, round_to_e4m3  # noqa: F401
+# Given (not tasks), shared with solutions/ch09.py: read kvlab/scaffold/ch09.py.
+from kvlab.scaffold.ch09 import PIECES, PreemptionCosts, my_quantization_user, write_kv_quantized_with  # noqa: F401
+
+
+# -- task quantize -------------------------------------------------------------------------------
+def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x [..., num_kv_heads, head_dim]`` (float16, bfloat16 or float32) to
+    ``(codes, scales)``: ``codes`` has ``x``'s shape in the format's dtype (``torch.float8_e4m3fn``
+    for ``"fp8"``, ``torch.int8`` for ``"int8"``), ``scales`` is ``x.shape[:-1]`` float32: one
+    per (token, KV head), i.e. per row of ``head_dim`` values.
+
+    In float32, for each row with ``amax`` its largest ``|x|`` and ``max`` the format's (448 or 127):
+
+    * ``scale = amax * (1.0 / max)``: amax times the float32 reciprocal, *not* ``amax / max``
+      (the two differ in the last bit for some amax; a GPU's PyTorch divides by a number that
+      way, and the course's kernel matches it). A row of zeros (``amax == 0``) gets scale 1, so
+      nothing divides by 0 and the row comes back as zeros, not NaN;
+    * ``y = x / scale``, clamped to ``[-max, max]``. With a row's own scale ``y`` overshoots
+      ``max`` by a rounding at most, but with a scale set any other way (per tensor, from a
+      calibration run) values land past it, and e4m3fn has no infinity: 500 must become 448;
+    * int8: rounded to the nearest integer, ties to even (``torch.round``), then ``.to(torch.int8)``;
+      fp8: ``.to(torch.float8_e4m3fn)`` (PyTorch's conversion rounds to the nearest, ties to even).
+
+    Errors: ValueError for a ``kv_cache_dtype`` other than "fp8" or "int8" ("auto" included: it
+    stores the model's dtype, there is nothing to quantise).
+    """
+    raise NotImplementedError("quantize_kv: amax per row (over head_dim); scale = amax * (1.0 / max), 1 where amax "
+                              "is 0; codes = clamp(x / scale, -max, max), rounded (int8) and converted")
+
+
+def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``codes * scale`` in float32: ``codes [..., head_dim]`` (fp8 or int8), ``scales
+    codes.shape[:-1]`` (one per row). ValueError if ``scales`` has another shape."""
+    raise NotImplementedError("dequantize_kv: codes.float() times each row's scale (broadcast over head_dim)")
+
+
+# -- task write_kernel ---------------------------------------------------------------------------
+@triton.jit
+def write_kv_quantized_kernel(
+    key_ptr, value_ptr,            # [num_tokens, num_kv_heads, head_dim], rows may be strided
+    k_cache_ptr, v_cache_ptr,      # [num_blocks, block_size, num_kv_heads, head_dim] fp8 or int8, contiguous
+    k_scale_ptr, v_scale_ptr,      # [num_blocks, block_size, num_kv_heads] float32
+    slot_mapping_ptr,              # [num_tokens] int64
+    key_token_stride, value_token_stride,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,     # the two rounded up to powers of two
+    QMAX: tl.constexpr,            # 448.0 (fp8) or 127.0 (int8)
+    FP8: tl.constexpr,             # True for fp8 (e4m3), False for int8
+):
+    """Program ``t`` quantises token ``t``'s K and V, all heads at once, into slot ``slot_mapping[t]``.
+
+    * Load the slot (int64). A slot of -1 is padding: load nothing, store nothing (mask it off
+      as chapter 2's kernel does: ``row_ok = heads < tl.where(slot >= 0, NUM_KV_HEADS, 0)``).
+    * Token ``t``'s K is a ``[NUM_KV_HEADS, HEAD_DIM]`` tile at ``key_ptr + t * key_token_stride
+      + head * HEAD_DIM + dim``; use ``tl.arange(0, HEADS_PAD)`` and ``tl.arange(0, DIM_PAD)``
+      and mask the padding rows and columns. Compute in float32.
+    * Per head (row): ``amax = tl.max(tl.abs(k), axis=1)``; ``scale = amax * (1.0 / QMAX)``, 1
+      where amax is 0; ``y = tl.div_rn(k, scale[:, None])`` (IEEE division: a GPU's plain ``/``
+      is approximate; in the interpreter both are exact); clamp ``y`` to ``[-QMAX, QMAX]``.
+    * Round **yourself**, then convert: fp8 with the given ``round_to_e4m3(y)``, int8 with
+      ``round_half_even(y)``; then ``.to(k_cache_ptr.dtype.element_ty)``. Triton's CPU
+      interpreter converts float32 to e4m3 wrongly for about 2% of values (7.886 becomes 4.0: it
+      truncates the mantissa with no carry into the exponent) and does not saturate (500 becomes
+      256, not 448); a value already on the e4m3 grid and within ±448 converts exactly, there as
+      on a GPU.
+    * Store the codes at element ``slot * NUM_KV_HEADS * HEAD_DIM + head * HEAD_DIM + dim`` of the
+      flattened cache, and each head's scale at ``slot * NUM_KV_HEADS + head`` of the flattened
+      scales. The same for V.
+    """
+    raise NotImplementedError("write_kv_quantized_kernel: load the slot; mask rows with tl.where(slot >= 0, "
+                              "NUM_KV_HEADS, 0); amax per row, scale, div_rn, clamp, round_to_e4m3 / round_half_even; "
+                              "store codes and scales at the slot")
+
+
+# Given: write_kv_quantized(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) launches
+# your kernel, one program per token.
+write_kv_quantized = write_kv_quantized_with(write_kv_quantized_kernel)
+
+
+# -- task preemption_mode ------------------------------------------------------------------------
+def swap_seconds(num_tokens: int, bytes_per_token: float, costs: PreemptionCosts) -> float:
+    """Seconds to swap ``num_tokens`` tokens of KV out to the host now and back in later: two
+    transfers, each ``costs.latency + num_tokens * bytes_per_token / costs.bandwidth``."""
+    raise NotImplementedError("swap_seconds: 2 * (latency + num_tokens * bytes_per_token / bandwidth)")
+
+
+def recompute_seconds(num_tokens: int, costs: PreemptionCosts) -> float:
+    """Seconds to recompute ``num_tokens`` tokens of KV as a prompt:
+    ``num_tokens * prefill_per_token + num_tokens ** 2 * prefill_per_token_sq``."""
+    raise NotImplementedError("recompute_seconds: linear term plus the quadratic (attention) term")
+
+
+def preemption_mode(num_tokens: int, bytes_per_token: float, costs: PreemptionCosts, host_free_bytes: float) -> str:
+    """``"swap"`` or ``"recompute"``: how to preempt a sequence holding ``num_tokens`` tokens of KV.
+
+    ``"swap"`` only if both hold: its KV fits in the host memory left
+    (``num_tokens * bytes_per_token <= host_free_bytes``), and swapping is strictly cheaper
+    (``swap_seconds(...) < recompute_seconds(...)``). Otherwise, ties included, ``"recompute"``:
+    it needs no host memory and no transfer.
+
+    Errors: ValueError if ``num_tokens`` is not an int (a bool is not) or is negative, if
+    ``bytes_per_token`` is not > 0, or if ``host_free_bytes`` is negative.
+    """
+    raise NotImplementedError("preemption_mode: check the arguments; 'swap' if it fits on the host and "
+                              "swap_seconds < recompute_seconds, else 'recompute'")
+
+
+# -- task crossover ------------------------------------------------------------------------------
+def crossover_tokens(bytes_per_token: float, costs: PreemptionCosts, max_tokens: int = 1 << 20) -> int | None:
+    """The smallest ``num_tokens`` (0 to ``max_tokens``) at which swapping is strictly cheaper
+    than recomputing (``swap_seconds < recompute_seconds``), or None if there is none up to
+    ``max_tokens``. Host memory plays no part here.
+
+    Swap costs a fixed ``2 * latency`` plus a term linear in the tokens; recompute has no fixed
+    cost and grows at least linearly (quadratically when ``prefill_per_token_sq > 0``). So once
+    swapping is cheaper it stays cheaper: the tokens where it wins are one range up to
+    ``max_tokens``, and you may search it (bisection) or solve for it, as long as your answer
+    is exactly the first ``n`` where ``swap_seconds(n, ...) < recompute_seconds(n, ...)``.
+    """
+    raise NotImplementedError("crossover_tokens: the first n with swap_seconds(n) < recompute_seconds(n) "
+                              "(bisection over 0..max_tokens, or solve and check the neighbours)")
+
+
+# Given: use_my_quantization(llm) serves an LLM(kv_cache_dtype="fp8" or "int8") with your
+# quantize_kv / dequantize_kv and your write kernel (kvlab/scaffold/ch09.py says how).
+use_my_quantization = my_quantization_user(quantize_kv, dequantize_kv, write_kv_quantized)

@@ -1,0 +1,81 @@
+"""Chapter 9 answers: the same names and signatures as ``exercises/ch09.py``."""
+import math  # noqa: F401
+
+import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
+import torch
+
+from kvlab.kernels.write_kv_quant import round_half_even, round_to_e4m3  # noqa: F401
+# The write_kernel answer is the course's own kernel: read kernels/write_kv_quant.py.
+from kvlab.kernels.write_kv_quant import quantize_rows, write_kv_quantized_kernel  # noqa: F401
+# Given (not tasks), shared with exercises/ch09.py: read kvlab/scaffold/ch09.py.
+from kvlab.scaffold.ch09 import PIECES, PreemptionCosts, my_quantization_user, write_kv_quantized_with  # noqa: F401
+
+FORMATS = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}
+
+
+# -- task quantize -------------------------------------------------------------------------------
+def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if kv_cache_dtype not in FORMATS:
+        raise ValueError(f"kv_cache_dtype must be 'fp8' or 'int8', got {kv_cache_dtype!r}")
+    dtype, qmax = FORMATS[kv_cache_dtype]
+    x = x.float()
+    amax = x.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax * (1.0 / qmax), torch.ones_like(amax))
+    y = (x / scale[..., None]).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = torch.round(y)
+    return y.to(dtype), scale
+
+
+def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    if tuple(scales.shape) != tuple(codes.shape[:-1]):
+        raise ValueError(f"scales must have shape {list(codes.shape[:-1])}, got {list(scales.shape)}")
+    return codes.float() * scales.float()[..., None]
+
+
+# -- task write_kernel ---------------------------------------------------------------------------
+# The course's write_kv_quantized_kernel, with its quantize_rows for each of K and V (both below).
+write_kv_quantized = write_kv_quantized_with(write_kv_quantized_kernel)
+
+
+# -- task preemption_mode ------------------------------------------------------------------------
+def swap_seconds(num_tokens: int, bytes_per_token: float, costs: PreemptionCosts) -> float:
+    return 2 * (costs.latency + num_tokens * bytes_per_token / costs.bandwidth)
+
+
+def recompute_seconds(num_tokens: int, costs: PreemptionCosts) -> float:
+    return num_tokens * costs.prefill_per_token + num_tokens ** 2 * costs.prefill_per_token_sq
+
+
+def preemption_mode(num_tokens: int, bytes_per_token: float, costs: PreemptionCosts, host_free_bytes: float) -> str:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    if not bytes_per_token > 0:
+        raise ValueError(f"bytes_per_token must be > 0, got {bytes_per_token!r}")
+    if not host_free_bytes >= 0:
+        raise ValueError(f"host_free_bytes must be >= 0, got {host_free_bytes!r}")
+    fits = num_tokens * bytes_per_token <= host_free_bytes
+    cheaper = swap_seconds(num_tokens, bytes_per_token, costs) < recompute_seconds(num_tokens, costs)
+    return "swap" if fits and cheaper else "recompute"
+
+
+# -- task crossover ------------------------------------------------------------------------------
+def crossover_tokens(bytes_per_token: float, costs: PreemptionCosts, max_tokens: int = 1 << 20) -> int | None:
+    def swap_wins(n):
+        return swap_seconds(n, bytes_per_token, costs) < recompute_seconds(n, costs)
+
+    if not swap_wins(max_tokens):
+        return None
+    lo, hi = -1, max_tokens            # swap loses at lo (or lo is before the range), wins at hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if swap_wins(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+# Given: use_my_quantization(llm) serves an LLM(kv_cache_dtype="fp8" or "int8") with your
+# quantize_kv / dequantize_kv and your write kernel (kvlab/scaffold/ch09.py says how).
+use_my_quantization = my_quantization_user(quantize_kv, dequantize_kv, write_kv_quantized)

@@ -1,0 +1,109 @@
+"""Chapter 9's closing loop: ``use_my_quantization(llm)`` (kvlab/scaffold/ch09.py) serves an
+``LLM(kv_cache_dtype="fp8" | "int8")`` whose every layer writes its new K/V through the
+chapter's pieces (``quantize_kv``, or the write kernel in Triton's interpreter on a CPU) and,
+with ``quantize``, reads the cache back through ``dequantize_kv``. The reference answers give
+the course's engine's greedy tokens; a piece that is wrong changes them; stubs stay the course's.
+"""
+from collections import Counter
+
+import pytest
+import torch
+
+from helpers import closing_loop_fixtures, one_thread, served_tokens  # noqa: F401  (one_thread: a fixture)
+from kvlab import LLM, SamplingParams
+from kvlab.scaffold.ch09 import PIECES, my_quantization_user
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["def add(a, b):", "import os\nimport sys\n"]
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+ENGINE = dict(kv_cache_dtype="fp8", num_gpu_blocks=16, block_size=8, max_num_seqs=4, max_model_len=256,
+              enforce_eager=True)
+
+reference, answers = closing_loop_fixtures("ch09", ENGINE, PROMPTS, GREEDY)
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError("not written yet")
+
+
+def counted(answers, calls: Counter):
+    def quantize_kv(x, kv_cache_dtype):
+        calls["quantize_kv"] += 1
+        return answers.quantize_kv(x, kv_cache_dtype)
+
+    def dequantize_kv(codes, scales):
+        calls["dequantize_kv"] += 1
+        return answers.dequantize_kv(codes, scales)
+
+    def write(*args):
+        calls["kernel"] += 1
+        return answers.write_kv_quantized(*args)
+
+    return quantize_kv, dequantize_kv, write
+
+
+def test_the_reference_quantize_serves_the_engines_tokens(answers, reference):
+    calls = Counter()
+    llm = LLM(**ENGINE)
+    assert my_quantization_user(*counted(answers, calls))(llm, ["quantize"]) == ["quantize"]
+    assert served_tokens(llm, PROMPTS, GREEDY) == reference
+    layers, steps = llm.model_runner.config.num_layers, llm.scheduler.num_steps
+    assert type(llm.model_runner).__name__ == "RunnerWithMyQuantization"
+    assert calls["quantize_kv"] == 2 * layers * steps and calls["dequantize_kv"] == 2 * layers * steps
+    assert llm.pool.num_free_blocks == llm.pool.num_blocks
+
+
+def test_the_reference_kernel_serves_the_engines_tokens(answers, reference):
+    calls = Counter()
+    llm = LLM(**ENGINE)
+    assert my_quantization_user(*counted(answers, calls))(llm, ["write_kernel"]) == ["write_kernel"]
+    assert served_tokens(llm, PROMPTS, GREEDY) == reference
+    assert calls["kernel"] == llm.model_runner.config.num_layers * llm.scheduler.num_steps
+
+
+def test_int8_through_the_reference_quantize():
+    engine = dict(ENGINE, kv_cache_dtype="int8")
+    want = served_tokens(LLM(**engine), PROMPTS, GREEDY)
+    from kvlab.grading import load_chapter
+
+    llm = LLM(**engine)
+    load_chapter("ch09", "solutions").use_my_quantization(llm, ["quantize"])
+    assert served_tokens(llm, PROMPTS, GREEDY) == want
+
+
+def test_a_wrong_piece_changes_the_text(answers, reference):
+    """Scales off by 2x (a classic: amax / max taken twice), and a write that skips the V rows:
+    the engine reads what the pieces stored, so the tokens change (or the text is NaN garbage)."""
+    def doubled(x, kv_cache_dtype):
+        codes, scales = answers.quantize_kv(x, kv_cache_dtype)
+        return codes, scales * 2
+
+    llm = LLM(**ENGINE)
+    my_quantization_user(doubled, answers.dequantize_kv, stub)(llm, ["quantize"])
+    assert served_tokens(llm, PROMPTS, GREEDY) != reference
+
+    def keys_only(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
+        # quantise K into its cache, leave V as the wipe left it (NaN scales)
+        codes, scales = answers.quantize_kv(key, "fp8")
+        keep = slot_mapping >= 0
+        k_cache.view(torch.uint8).view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = codes[keep].view(torch.uint8)
+        k_scale.view(-1, k_scale.shape[-1])[slot_mapping[keep]] = scales[keep]
+
+    llm = LLM(**ENGINE)
+    my_quantization_user(stub, stub, keys_only)(llm, ["write_kernel"])
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] != reference
+
+
+def test_stubs_stay_the_courses(reference):
+    llm = LLM(**ENGINE)
+    use = my_quantization_user(stub, stub, stub)
+    assert use(llm) == []
+    assert type(llm.model_runner).__name__ == "ModelRunner"
+    assert served_tokens(llm, PROMPTS, GREEDY) == reference
+    with pytest.raises(ValueError):
+        use(LLM(**dict(ENGINE, kv_cache_dtype="auto")), ["quantize"])
+    with pytest.raises(ValueError):
+        use(llm, ["quantise"])
+    assert PIECES == ("quantize", "write_kernel")
