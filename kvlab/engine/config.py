@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from kvlab.engine.offload import PREEMPTION_MODES
 from kvlab.engine.scheduler import check_scheduling
 from kvlab.engine.spec_decode import SpeculativeConfig
 from kvlab.quantization import kv_cache_format
@@ -43,6 +44,10 @@ class EngineConfig:
     waiting prompt's chunks go before the decodes (None: never). See :mod:`kvlab.engine.scheduler`.
     ``kv_cache_dtype``: ``"auto"`` (the model's dtype), ``"fp8"`` (e4m3) or ``"int8"``, with a
     float32 scale per (token, KV head) beside the values (:mod:`kvlab.quantization`).
+    ``swap_space``: GiB of host memory for swapped-out sequences (0: none, preemption always
+    recomputes). ``preemption_mode``: ``"auto"`` (swap or recompute, whichever the cost model
+    of :mod:`kvlab.engine.offload` says is cheaper), ``"swap"`` (whenever the host has room) or
+    ``"recompute"``.
     """
 
     block_size: int = 16
@@ -64,6 +69,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     prefill_priority_after: float | None = None
     kv_cache_dtype: str = "auto"
+    swap_space: float = 0
+    preemption_mode: str = "auto"
 
     def __post_init__(self):
         check_count("block_size", self.block_size, minimum=1)
@@ -79,6 +86,11 @@ class EngineConfig:
         check_scheduling(self.enable_chunked_prefill, self.long_prefill_token_threshold,
                          self.max_num_partial_prefills, self.scheduling_policy, self.prefill_priority_after)
         kv_cache_format(self.kv_cache_dtype)         # a known name, or a clear error
+        if isinstance(self.swap_space, bool) or not isinstance(self.swap_space, (int, float)) \
+                or not 0 <= self.swap_space < float("inf"):
+            raise ValueError(f"swap_space must be GiB of host memory >= 0, got {self.swap_space!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
 

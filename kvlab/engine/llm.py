@@ -39,6 +39,7 @@ from kvlab.engine.config import EngineConfig
 from kvlab.engine.detokenizer import detokenize
 from kvlab.engine.inputs import params_per_prompt, prompt_item, prompt_items
 from kvlab.engine.model_runner import ModelRunner, block_bytes
+from kvlab.engine.offload import HostBlockAllocator, default_costs
 from kvlab.engine.outputs import CompletionOutput, RequestOutput
 from kvlab.engine.rejection_sampler import rejection_sample
 from kvlab.engine.sampler import sample
@@ -115,6 +116,7 @@ class LLM:
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
             attention_backend=config.attention_backend, enforce_eager=config.enforce_eager,
             cudagraph_batch_sizes=config.cudagraph_batch_sizes(), kv_cache_dtype=config.kv_cache_dtype,
+            swap_space=config.swap_space,
             extra_block_bytes=block_bytes(draft.config, config.block_size, draft.dtype) if draft else 0)
         self.proposer = self._make_proposer(spec, draft, config)
         self.spec_decode_stats = SpecDecodeStats() if spec else None
@@ -144,7 +146,18 @@ class LLM:
                                    long_prefill_token_threshold=c.long_prefill_token_threshold,
                                    max_num_partial_prefills=c.max_num_partial_prefills,
                                    scheduling_policy=c.scheduling_policy,
-                                   prefill_priority_after=c.prefill_priority_after)
+                                   prefill_priority_after=c.prefill_priority_after,
+                                   **self._host_tier(c))
+
+    def _host_tier(self, c: EngineConfig) -> dict:
+        """The scheduler's settings for swapping (chapter 9): none without ``swap_space``."""
+        host = self.model_runner.host_cache
+        if host is None:
+            return {}
+        bytes_per_token = host.bytes_per_block // c.block_size
+        return dict(host_blocks=HostBlockAllocator(host.storage.shape[0]), preemption_mode=c.preemption_mode,
+                    preemption_costs=default_costs(self.config, self.model_runner.device),
+                    bytes_per_token=bytes_per_token)
 
     def _load_draft(self, spec, config: EngineConfig, device):
         """The draft model of ``speculative_config``, checked against the target."""
@@ -253,6 +266,12 @@ class LLM:
         out = self.scheduler.schedule()
         self.last_schedule = out
         ended = list(out.finished)
+        if out.blocks_to_swap_out or out.blocks_to_swap_in:
+            try:
+                self.model_runner.apply_swaps(out)
+            except Exception as e:       # noqa: BLE001
+                ended += self.scheduler.abandon(out, f"the step's swap failed: {type(e).__name__}: {e}")
+                out.scheduled = []
         if out.scheduled:
             try:
                 draft_probs = propose_drafts(self.proposer, self.scheduler, out, self.max_model_len) \
@@ -265,7 +284,7 @@ class LLM:
                 ended += self.scheduler.update(out, tokens, logprobs)
                 self._after_verification(out, tokens)
                 ended += self._check_stop_strings(out.sample_seqs)
-        elif not ended and self.scheduler.has_unfinished():
+        elif not ended and not out.swapped_in and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not run anything: no request fits (a bug)")
         self._forget_drafts([*ended, *out.preempted])
         touched = dict.fromkeys(s.request_id for s in [*out.sample_seqs, *ended])

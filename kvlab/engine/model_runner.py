@@ -2,6 +2,7 @@
 
 A step, as the runner does it::
 
+    swap blocks out to the host tier and back     kvlab.engine.offload (chapter 9)
     copy the step's copy-on-write blocks          kvlab.kernels.copy_blocks
     pack every scheduled sequence's new tokens    input_ids [T], positions [T]
     say where they go and what each one reads     AttentionContext (slots, block tables, phase)
@@ -23,6 +24,8 @@ through the runner's backend (:mod:`kvlab.models.backends`): on a GPU the course
   its cache the same way.
 * On the CPU: enough blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens,
   but at most :data:`CPU_KV_CACHE_BYTES` of memory.
+
+``swap_space`` (GiB, vLLM's name) adds a host tier of that size for swapped-out sequences.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 
 from kvlab.accounting import kv_cache_bytes_per_token
 from kvlab.engine.cuda_graphs import CudaGraphs
+from kvlab.engine.offload import HostKVCache
 from kvlab.engine.scheduler import SchedulerOutput
 from kvlab.models.backends import get_attention_backend
 from kvlab.models.context import DECODE, UNIFORM, build_attention_context, step_phase
@@ -64,7 +68,7 @@ class ModelRunner:
                  max_num_batched_tokens: int = 2048, max_model_len: int | None = None,
                  attention_backend="auto", enforce_eager: bool = False,
                  cudagraph_batch_sizes: list[int] | None = None, extra_block_bytes: int = 0,
-                 kv_cache_dtype: str = "auto"):
+                 kv_cache_dtype: str = "auto", swap_space: float = 0):
         check_count("block_size", block_size, minimum=1)
         self.extra_block_bytes = check_count("extra_block_bytes", extra_block_bytes)
         self.model = model.fuse()
@@ -86,6 +90,9 @@ class ModelRunner:
         c = self.config
         self.kv_cache = allocate_kv_cache(c.num_layers, num_gpu_blocks, block_size, c.num_kv_heads, c.head_dim,
                                           dtype=model.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype)
+        # chapter 9: the host tier, swap_space GiB of (pinned) host memory in blocks like the cache's
+        host_blocks = int(swap_space * 2**30) // (self.kv_cache.nbytes // num_gpu_blocks)
+        self.host_cache = HostKVCache(self.kv_cache, host_blocks) if host_blocks else None
         self.graphs = None                                   # decode steps
         self.uniform_graphs: dict[int, CudaGraphs] = {}      # steps of q > 1 tokens per sequence, by q
         self._graph_sizes = graph_sizes
@@ -204,6 +211,15 @@ class ModelRunner:
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return self.model(as_tensor(ids), as_tensor(positions), ctx)
 
+    def apply_swaps(self, out: SchedulerOutput) -> None:
+        """Swap the step's blocks out to the host tier and back in, one transfer per host run
+        (a sequence's blocks), before the step's copies and forward. Out goes first: a block
+        swapped out may be taken by the swap-ins or the new tokens of the same step."""
+        for device_blocks, host_blocks in _runs(out.blocks_to_swap_out, host_first=False):
+            self.host_cache.swap_out(device_blocks, host_blocks)
+        for device_blocks, host_blocks in _runs(out.blocks_to_swap_in, host_first=True):
+            self.host_cache.swap_in(host_blocks, device_blocks)
+
     def apply_copies(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: make each ``dst`` block hold what ``src`` holds, in every layer."""
         if not pairs:
@@ -217,3 +233,17 @@ class ModelRunner:
             from kvlab.reference import copy_blocks_ref
 
             copy_blocks_ref(self.kv_cache.block_tensors(), mapping)
+
+
+def _runs(pairs, host_first: bool):
+    """Split (device, host) block pairs (or (host, device)) into runs of consecutive host
+    blocks: ``[(device_blocks, host_blocks), ...]``, one transfer each."""
+    runs = []
+    for pair in pairs:
+        host, device = pair if host_first else pair[::-1]
+        if runs and runs[-1][1][-1] + 1 == host:
+            runs[-1][0].append(device)
+            runs[-1][1].append(host)
+        else:
+            runs.append(([device], [host]))
+    return runs

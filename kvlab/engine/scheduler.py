@@ -16,6 +16,14 @@ Every step fills a token budget, ``max_num_batched_tokens``, in vLLM v1's order:
    short). Its prefix-cache hit is looked up on the whole prompt first; then it computes its
    first chunk. At most ``max_num_partial_prefills`` prompts are part-way through at once.
 
+**Swapping** (chapter 9): with a host tier (``host_blocks``, from the engine's ``swap_space``),
+a preempted sequence may instead be *swapped out*: its computed blocks are copied to host
+memory (``blocks_to_swap_out``), it keeps its progress and waits in ``swapped``; when blocks
+free up it comes back before any new request (``blocks_to_swap_in``; blocks still in the
+prefix cache are reused, not copied). ``preemption_mode`` "auto" picks swap or recompute per
+sequence with the cost model of :mod:`kvlab.engine.offload`; the output says which
+(``swapped_out`` among ``preempted``).
+
 With ``enable_chunked_prefill=False`` a prompt is computed whole in one step, so a prompt
 longer than the budget can never run. Prompts and decodes share one step, packed together.
 
@@ -41,6 +49,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvlab.errors import OutOfBlocksError
+from kvlab.engine.offload import PREEMPTION_MODES, preemption_mode
 from kvlab.engine.sequence import Sequence, SequenceStatus
 from kvlab.paging.block_pool import BlockPool, blocks_needed, slot_mapping
 from kvlab.validation import check_bool, check_count
@@ -91,6 +100,11 @@ class SchedulerOutput:
     finished: list[Sequence] = field(default_factory=list)   # failed while scheduling
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     block_size: int = 16
+    # chapter 9: preempted by swapping (a subset of ``preempted``), and brought back
+    swapped_out: list[Sequence] = field(default_factory=list)
+    swapped_in: list[Sequence] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
 
     def slot_mapping(self) -> list[int]:
         """The cache slot of every new token of the step, in packed order."""
@@ -114,7 +128,7 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.scheduled or self.preempted or self.finished)
+        return not (self.scheduled or self.preempted or self.finished or self.swapped_in)
 
 
 SCHEDULING_POLICIES = ("fcfs", "static")
@@ -140,7 +154,8 @@ class Scheduler:
                  max_model_len: int | None = None, eos_token_ids=(), num_lookahead_tokens: int = 0, *,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 1, scheduling_policy: str = "fcfs",
-                 prefill_priority_after: float | None = None, clock=time.monotonic):
+                 prefill_priority_after: float | None = None, clock=time.monotonic, host_blocks=None,
+                 preemption_mode: str = "auto", preemption_costs=None, bytes_per_token: int = 0):
         check_count("max_num_seqs", max_num_seqs, minimum=1)
         check_count("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
         if max_num_batched_tokens < max_num_seqs:
@@ -165,11 +180,22 @@ class Scheduler:
         self.scheduling_policy = scheduling_policy
         self.prefill_priority_after = prefill_priority_after
         self.clock = clock
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if host_blocks is not None and preemption_mode == "auto" and (preemption_costs is None or bytes_per_token < 1):
+            raise ValueError("preemption_mode='auto' with host blocks needs preemption_costs and bytes_per_token")
+        self.host_blocks = host_blocks              # a HostBlockAllocator, or None: recompute only
+        self.preemption_mode = preemption_mode
+        self.preemption_costs = preemption_costs
+        self.bytes_per_token = bytes_per_token
+        self.swapped: deque[Sequence] = deque()     # swapped out, oldest first
+        self._host_to_free: list[int] = []          # host blocks read by the latest step's swap-ins
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order, oldest first
         # counters, for tests and notebooks
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_swapped_out = 0
         self.num_copied_blocks = 0
         self.peak_used_blocks = 0
         self._unrecorded: SchedulerOutput | None = None   # a step not yet passed to update()
@@ -183,7 +209,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # -- planning a step ---------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -191,6 +217,9 @@ class Scheduler:
         if self._unrecorded is not None:
             raise RuntimeError("the previous step has not been recorded: call update() with its tokens first")
         out = SchedulerOutput(block_size=self.pool.block_size)
+        if self._host_to_free:          # the previous step has read them (copies run in order)
+            self.host_blocks.free(self._host_to_free)
+            self._host_to_free = []
         budget = self.max_num_batched_tokens
         if self._overdue():          # the fairness rule: overdue prompts before the decodes
             budget = self._schedule_running(out, budget, prefills_only=True)
@@ -198,6 +227,8 @@ class Scheduler:
                 budget = self._schedule_waiting(out, budget, overdue_only=True)
         budget = self._schedule_running(out, budget)
         if not out.preempted:
+            self._schedule_swapped(out)
+        if not out.preempted and not self.swapped:      # the swapped are older than any new request
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.pool.take_copies()
         for item in out.scheduled:
@@ -315,6 +346,27 @@ class Scheduler:
             partial += not finishes
         return budget
 
+    def _schedule_swapped(self, out: SchedulerOutput) -> None:
+        """Bring swapped-out sequences back, oldest first, while sequences and blocks allow (with
+        a block to spare for each one's next token). They compute again from the next step."""
+        bs = self.pool.block_size
+        num_seqs = sum(1 + len(s.forks) for s in self.running)
+        while self.swapped and num_seqs < self.max_num_seqs:
+            seq = self.swapped[0]
+            n = seq.num_computed_tokens
+            if blocks_needed(n + 1, bs) > self.pool.num_free_blocks:
+                break
+            table = self.pool.allocate(seq.seq_id, n, seq.token_ids[:n], salt=seq.cache_salt, cache=False)
+            reused = self.pool.num_cached_tokens.get(seq.seq_id, 0) // bs   # still in the prefix cache
+            out.blocks_to_swap_in += zip(seq.host_blocks[reused:], table[reused:])
+            self._host_to_free += seq.host_blocks
+            seq.host_blocks = []
+            seq.status = SequenceStatus.RUNNING
+            self.swapped.popleft()
+            self.running.append(seq)
+            out.swapped_in.append(seq)
+            num_seqs += 1
+
     def _admit(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> None:
         cached = self.pool.num_cached_tokens.get(seq.seq_id, 0)
         if seq.num_cached_tokens is None:
@@ -370,11 +422,34 @@ class Scheduler:
 
     # -- changing a sequence's state ---------------------------------------------------------
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        self.pool.free(seq.seq_id)
-        seq.reset_for_recompute()
-        self.waiting.appendleft(seq)       # it arrived before everything still waiting
+        if self._preemption_mode(seq) == "swap":
+            n = blocks_needed(seq.num_computed_tokens, self.pool.block_size)
+            host = self.host_blocks.allocate(n)
+            out.blocks_to_swap_out += zip(self.pool.block_table(seq.seq_id)[:n], host)
+            self.pool.free(seq.seq_id)
+            seq.swap_out(host)
+            self.swapped.appendleft(seq)   # preempted youngest first: the oldest ends up in front
+            out.swapped_out.append(seq)
+            self.num_swapped_out += 1
+        else:
+            self.pool.free(seq.seq_id)
+            seq.reset_for_recompute()
+            self.waiting.appendleft(seq)   # it arrived before everything still waiting
         out.preempted.append(seq)
         self.num_preemptions += 1
+
+    def _preemption_mode(self, seq: Sequence) -> str:
+        """"swap" or "recompute" for ``seq`` (see the module docstring)."""
+        n = seq.num_computed_tokens
+        if self.host_blocks is None or self.preemption_mode == "recompute" or n == 0 or seq.forks:
+            return "recompute"
+        run = self.host_blocks.largest_run()
+        if blocks_needed(n, self.pool.block_size) > run:
+            return "recompute"             # no room on the host
+        if self.preemption_mode == "swap":
+            return "swap"
+        return preemption_mode(n, self.bytes_per_token, self.preemption_costs,
+                               run * self.pool.block_size * self.bytes_per_token)
 
     def _fail(self, seq: Sequence, message: str, out: SchedulerOutput) -> None:
         for s in (seq, *seq.forks):
@@ -394,6 +469,10 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
+        if seq in self.swapped:
+            self.swapped.remove(seq)
+            self._host_to_free += seq.host_blocks
+            seq.host_blocks = []
 
     # -- after the step ----------------------------------------------------------------------
     def update(self, out: SchedulerOutput, sampled_token_ids, logprobs=None) -> list[Sequence]:
@@ -446,11 +525,13 @@ class Scheduler:
         """The step ``out`` failed before its tokens were sampled: end every sequence it ran (and
         the samples that were to fork off them) with ``error``, freeing their blocks. None of
         those blocks was registered in the prefix cache (see ``cache_blocks`` in update), so no
-        later prompt can hit K/V that was never computed. Returns the ended sequences."""
-        if out is not self._unrecorded:
+        later prompt can hit K/V that was never computed. The sequences the step swapped out
+        or in end too: their copies may not have happened. Returns the ended sequences."""
+        if out is not self._unrecorded and out.scheduled:
             raise ValueError("abandon() takes the output of the latest schedule(), once")
         self._unrecorded = None
         ended = [seq for item in out.scheduled for seq in (item.seq, *item.seq.forks)]
+        ended += [seq for seq in (*out.swapped_out, *out.swapped_in) if seq not in ended and not seq.is_finished]
         for item in out.scheduled:
             item.seq.forks = []
         for seq in ended:

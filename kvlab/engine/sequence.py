@@ -28,6 +28,7 @@ from kvlab.engine.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"       # preempted, its K/V in host memory until it resumes (chapter 9)
     FINISHED = "finished"
 
 
@@ -91,6 +92,7 @@ class Sequence:
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prefix-cache hit at the first admission
         self.num_preemptions = 0
+        self.host_blocks: list[int] = []         # swapped out: its blocks' copies in host memory
         self.cumulative_logprob = 0.0
         self.generator = generator               # the sample's own RNG (None: torch's global one)
         self.forks: list[Sequence] = []          # samples that fork from this one after its prefill
@@ -165,6 +167,12 @@ class Sequence:
         """Preempted: nothing of it is cached any more; its tokens so far will be recomputed."""
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_preemptions += 1
+
+    def swap_out(self, host_blocks: list[int]) -> None:
+        """Preempted by swapping: its computed K/V waits in ``host_blocks`` (host memory)."""
+        self.status = SequenceStatus.SWAPPED
+        self.host_blocks = host_blocks
         self.num_preemptions += 1
 
     def __repr__(self) -> str:

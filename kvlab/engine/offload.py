@@ -1,0 +1,234 @@
+"""The cache's second tier: KV blocks in (pinned) host memory, for preempted sequences.
+
+When the scheduler must preempt a sequence it can either drop its K/V and **recompute** it
+later (a prefill of everything computed so far), or **swap** it: copy its blocks to host
+memory now and back when it resumes. Which is cheaper depends on the length:
+
+* swapping costs two transfers of ``num_tokens * bytes_per_token`` bytes over PCIe, plus a
+  fixed cost per transfer (launches, the gather into one staging buffer);
+* recomputing costs a prefill: a term linear in the tokens (the weights' FLOPs per token) and
+  a quadratic one (each token attends to all earlier ones).
+
+:func:`preemption_mode` compares the two with :class:`PreemptionCosts` measured on the GPU
+(``benchmarks/bench_offload.py``). :class:`HostBlockAllocator` books host blocks (the
+scheduler's side); :class:`HostKVCache` moves bytes (the model runner's side): a sequence's
+blocks of every layer go through one device staging buffer and one contiguous host run per
+transfer, never one small copy per block and layer. On a GPU the copies run on a side
+stream: the forward waits only for the blocks to be gathered (a device-speed copy), while the
+slow device-to-host transfer overlaps with it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlab.validation import check_count
+
+PREEMPTION_MODES = ("auto", "swap", "recompute")
+
+
+@dataclass(frozen=True)
+class PreemptionCosts:
+    """What swapping and recomputing cost, per byte and per token (seconds)."""
+
+    bandwidth: float                  # bytes/s of a pinned host<->device copy
+    latency: float                    # seconds of fixed cost per transfer (launch, sync)
+    prefill_per_token: float          # seconds per recomputed token (the step-cost model's linear term)
+    prefill_per_token_sq: float = 0.0  # seconds per token squared (causal attention over the prefix)
+
+
+def swap_seconds(num_tokens: int, bytes_per_token: int, costs: PreemptionCosts) -> float:
+    """Out now, back in later: two transfers of the sequence's K/V."""
+    return 2 * (costs.latency + num_tokens * bytes_per_token / costs.bandwidth)
+
+
+def recompute_seconds(num_tokens: int, costs: PreemptionCosts) -> float:
+    """A prefill of the ``num_tokens`` tokens whose K/V was dropped."""
+    return num_tokens * costs.prefill_per_token + num_tokens ** 2 * costs.prefill_per_token_sq
+
+
+def preemption_mode(num_tokens: int, bytes_per_token: int, costs: PreemptionCosts, host_free_bytes: int) -> str:
+    """"swap" if the host has room for the K/V and swapping is strictly cheaper, else "recompute"."""
+    check_count("num_tokens", num_tokens)
+    check_count("bytes_per_token", bytes_per_token)
+    check_count("host_free_bytes", host_free_bytes)
+    fits = num_tokens * bytes_per_token <= host_free_bytes
+    cheaper = swap_seconds(num_tokens, bytes_per_token, costs) < recompute_seconds(num_tokens, costs)
+    return "swap" if fits and cheaper else "recompute"
+
+
+def crossover_tokens(bytes_per_token: int, costs: PreemptionCosts, max_tokens: int = 1 << 20) -> int | None:
+    """The fewest tokens at which swapping is cheaper than recomputing (None: not up to
+    ``max_tokens``). Swap minus recompute is concave in the length, so past the crossover
+    swapping stays cheaper; a binary search finds it."""
+    def cheaper(n):
+        return swap_seconds(n, bytes_per_token, costs) < recompute_seconds(n, costs)
+
+    if not cheaper(max_tokens):
+        return None
+    lo, hi = 0, max_tokens              # cheaper(lo) is False (0 tokens: recompute costs nothing)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if cheaper(mid) else (mid, hi)
+    return hi
+
+
+def model_costs(config, bandwidth: float, latency: float, flops_per_s: float) -> PreemptionCosts:
+    """Costs for a Llama-shaped ``config``: a recomputed token costs the forward's matmul FLOPs
+    (2 per weight) at ``flops_per_s``, and its attention over ``n`` earlier tokens 4 * n *
+    head_dim FLOPs per query head and layer (QK and PV), half of it on average with the mask."""
+    c = config
+    hidden, inter = c.hidden_size, c.intermediate_size
+    q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    weights = c.num_layers * (hidden * (q_dim + 2 * kv_dim) + q_dim * hidden + 3 * hidden * inter) \
+        + hidden * c.vocab_size
+    attention = c.num_layers * c.num_heads * 4 * c.head_dim / 2
+    return PreemptionCosts(bandwidth=bandwidth, latency=latency, prefill_per_token=2 * weights / flops_per_s,
+                           prefill_per_token_sq=attention / flops_per_s)
+
+
+# Measured on one H200 (PCIe gen 5 host link) by benchmarks/bench_offload.py: pinned copy rate,
+# the fixed cost of one staged transfer, and the 8B-shaped model's prefill rate.
+# See benchmarks/RESULTS.md ("offload").
+H200 = dict(bandwidth=50e9, latency=60e-6, flops_per_s=600e12)
+# A CPU "host tier" is a memcpy in the same memory, and a prefill runs at CPU FLOP rates.
+CPU = dict(bandwidth=5e9, latency=20e-6, flops_per_s=100e9)
+
+
+def default_costs(config, device: torch.device) -> PreemptionCosts:
+    """The cost model of the engine on ``device`` for the model ``config``."""
+    return model_costs(config, **(H200 if torch.device(device).type == "cuda" else CPU))
+
+
+class HostBlockAllocator:
+    """Books host blocks for swapped-out sequences: each gets one contiguous run, so its
+    transfer is one copy (first fit; a request no run can hold is refused)."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = check_count("num_blocks", num_blocks)
+        self.runs: dict[int, int] = {0: num_blocks} if num_blocks else {}   # free runs: start -> length
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(self.runs.values())
+
+    def largest_run(self) -> int:
+        return max(self.runs.values(), default=0)
+
+    def allocate(self, count: int) -> list[int]:
+        """``count`` consecutive host block ids (ValueError if no free run is that long)."""
+        check_count("count", count, minimum=1)
+        for start, length in sorted(self.runs.items()):
+            if length >= count:
+                del self.runs[start]
+                if length > count:
+                    self.runs[start + count] = length - count
+                return list(range(start, start + count))
+        raise ValueError(f"no run of {count} free host blocks (largest: {self.largest_run()})")
+
+    def free(self, blocks: list[int]) -> None:
+        """Give back blocks (a run or part of one); neighbouring free runs merge."""
+        for block in sorted(blocks):
+            if not 0 <= block < self.num_blocks or any(s <= block < s + n for s, n in self.runs.items()):
+                raise ValueError(f"host block {block} is not allocated")
+            self.runs[block] = 1
+        starts = sorted(self.runs)
+        merged: dict[int, int] = {}
+        for s in starts:
+            last = max(merged, default=None)
+            if last is not None and last + merged[last] == s:
+                merged[last] += self.runs[s]
+            else:
+                merged[s] = self.runs[s]
+        self.runs = merged
+
+
+class HostKVCache:
+    """Host copies of KV blocks: ``storage[host_block]`` holds one block of every layer (K, V
+    and, for a quantised cache, their scales) as one run of bytes."""
+
+    def __init__(self, kv_cache, num_blocks: int):
+        self.kv_cache = kv_cache
+        # [num_layers, num_blocks, bytes of one block of one layer] byte views of the cache
+        self.parts = [t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1) for t in kv_cache.block_tensors()]
+        self.bytes_per_block = sum(p.shape[0] * p.shape[2] for p in self.parts)
+        device = kv_cache.k.device
+        self.storage = torch.empty(num_blocks, self.bytes_per_block, dtype=torch.uint8,
+                                   pin_memory=device.type == "cuda")
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def swap_out(self, gpu_blocks: list[int], host_blocks: list[int]) -> None:
+        """Copy device blocks to the host run ``host_blocks``. On a GPU the caller's stream
+        waits only until the blocks are gathered; the host copy finishes on the side stream."""
+        if not gpu_blocks:
+            return
+        start = _run_start(host_blocks)
+        with self._side() as current:         # what is allocated here belongs to the side stream
+            ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=self.kv_cache.k.device)
+            staging = self._gather(ids)
+            if current is not None:
+                current.wait_stream(self.stream)          # the blocks may be reused from here on
+            self.storage[start:start + len(host_blocks)].copy_(staging, non_blocking=True)
+
+    def swap_in(self, host_blocks: list[int], gpu_blocks: list[int]) -> None:
+        """Copy the host run ``host_blocks`` into device blocks, before the caller's next kernel."""
+        if not gpu_blocks:
+            return
+        start = _run_start(host_blocks)
+        device = self.kv_cache.k.device
+        with self._side() as current:
+            ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=device)
+            staging = self.storage[start:start + len(host_blocks)].to(device, non_blocking=True)
+            self._scatter(staging, ids)
+            if current is not None:
+                current.wait_stream(self.stream)
+
+    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The blocks ``ids`` of every layer, block-major, in one staging buffer."""
+        staging = torch.empty(len(ids), self.bytes_per_block, dtype=torch.uint8, device=ids.device)
+        offset = 0
+        for part in self.parts:
+            layers, _, width = part.shape
+            staging[:, offset:offset + layers * width].view(-1, layers, width).copy_(part[:, ids].transpose(0, 1))
+            offset += layers * width
+        return staging
+
+    def _scatter(self, staging: torch.Tensor, ids: torch.Tensor) -> None:
+        offset = 0
+        for part in self.parts:
+            layers, _, width = part.shape
+            part[:, ids] = staging[:, offset:offset + layers * width].view(-1, layers, width).transpose(0, 1)
+            offset += layers * width
+
+    def _side(self):
+        return _SideStream(self.stream)
+
+
+class _SideStream:
+    """``with`` block running on ``stream`` after everything queued on the current stream
+    (the K/V written by earlier steps); yields the current stream (None on a CPU)."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        if self.stream is None:
+            return None
+        self.current = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(self.current)
+        self.context = torch.cuda.stream(self.stream)
+        self.context.__enter__()
+        return self.current
+
+    def __exit__(self, *exc):
+        if self.stream is not None:
+            self.context.__exit__(*exc)
+        return False
+
+
+def _run_start(host_blocks: list[int]) -> int:
+    start = host_blocks[0]
+    if list(host_blocks) != list(range(start, start + len(host_blocks))):
+        raise ValueError(f"host blocks must be one consecutive run, got {host_blocks[:8]}...")
+    return start
