@@ -9,25 +9,8 @@ import triton
 
 from kvlab.quantization import QUANTIZED_DTYPES
 from kvlab.scaffold import check_pieces, is_written
-
-try:                                    # the engine's own record, where the engine has offload
-    from kvlab.engine.offload import PreemptionCosts
-except ImportError:                     # pragma: no cover - the same record, until it does
-    from dataclasses import dataclass
-
-    @dataclass(frozen=True)
-    class PreemptionCosts:
-        """What preempting a sequence costs, either way (the engine measures these on the GPU).
-
-        ``bandwidth``: bytes/s of a pinned host<->device copy; ``latency``: seconds of fixed cost
-        per transfer (launch, synchronisation); ``prefill_per_token``: seconds per recomputed
-        token (the step-cost model's linear term); ``prefill_per_token_sq``: seconds per token²
-        (causal attention over the prefix grows with its square)."""
-
-        bandwidth: float
-        latency: float
-        prefill_per_token: float
-        prefill_per_token_sq: float = 0.0
+# The engine's cost record (kvlab/engine/offload.py): what preempting a sequence costs, either way.
+from kvlab.engine.offload import PreemptionCosts  # noqa: E402,F401
 
 
 # -- write_kernel ------------------------------------------------------------------------------
