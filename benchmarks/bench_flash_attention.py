@@ -1,6 +1,6 @@
 """flash_attention and paged_prefill on the GPU, against PyTorch SDPA's flash and cuDNN backends.
 
-    python benchmarks/bench_flash_attention.py [--out DIR]
+    python benchmarks/bench_flash_attention.py [--out DIR] [--kv-cache-dtype fp8[,int8]]
 
 Causal, bf16, 32 heads. Peers in the same run: SDPA with the flash backend (FlashAttention-2)
 and the cuDNN backend (FlashAttention-3 class on Hopper), and naive attention (the score
@@ -15,6 +15,12 @@ Extends (``EXTENDS``: ``new`` tokens onto a cached prefix of ``prefix``) put mos
 the block table in both paged modes; they are compared with ``flash_attention`` on the same
 keys held contiguously (SDPA's causal mask is aligned top-left, so it has no such case).
 Also: peak memory of naive attention and of the kernel for one sequence of growing length.
+
+``--kv-cache-dtype fp8[,int8]`` (``quantized_extends`` in the JSON): the engine's extend call
+(``paged_prefill`` with every key through the table) on a quantised copy of the same paged cache
+(codes and a float32 scale per token and KV head, dequantised in registers) against the bf16
+call, in the same run; ``time_vs_bf16`` is the quantised time over the bf16 one (the goal: at
+most 1 / 0.9). Each output is checked first against the contiguous kernel on the dequantised K/V.
 """
 from __future__ import annotations
 
@@ -158,6 +164,40 @@ def measure_extend(batch, prefix, new, dim) -> dict:
     return row
 
 
+def quantized_extend(batch, prefix, new, dim, kv_cache_dtype) -> dict:
+    """The engine's extend call on a ``kv_cache_dtype`` cache against the bf16 one, same K/V."""
+    from kvlab.models.backends import reads_new_kv
+    from kvlab.quantization import dequantize_kv, quantize_kv
+
+    assert not reads_new_kv(prefix + new, new)      # extends: every key through the table, as timed
+    case = extend_inputs(batch, prefix, new, dim)
+    q, k_cache, v_cache, tables, seq_lens, query_lens = case["args"]
+    (k8, k_scale), (v8, v_scale) = quantize_kv(k_cache, kv_cache_dtype), quantize_kv(v_cache, kv_cache_dtype)
+    # the contiguous kernel on the dequantised values: what the quantised call must give
+    k, v = (torch.empty_like(case["k"]) for _ in range(2))
+    for dense, codes, scale in ((k, k8, k_scale), (v, v8, v_scale)):
+        pages = dequantize_kv(codes, scale, torch.bfloat16)[tables.long()]         # [B, blocks, 16, KV, D]
+        dense.copy_(pages.flatten(1, 2).transpose(1, 2))
+    want = packed(flash_attention(case["q"], k, v, validate=False)).float()
+
+    def quant_call():
+        return paged_prefill(q, k8, v8, tables, seq_lens, query_lens, k_scale=k_scale, v_scale=v_scale,
+                             **case["hints"])
+
+    err = float((quant_call().float() - want).abs().max())
+    bf16 = bench(lambda: paged_prefill(*case["args"], **case["hints"]))
+    quant = bench(quant_call)
+    row = {"kv_cache_dtype": kv_cache_dtype, "batch": batch, "prefix": prefix, "new": new, "head_dim": dim,
+           "err": err, "bf16_TFLOPs": round(case["flops"] / bf16 / 1e12, 1),
+           "quant_TFLOPs": round(case["flops"] / quant / 1e12, 1), "bf16_us": round(bf16 * 1e6, 1),
+           "quant_us": round(quant * 1e6, 1), "time_vs_bf16": round(quant / bf16, 3),
+           "meets_goal": quant / bf16 <= 1 / 0.9}
+    print(row, flush=True)
+    del case, k8, v8, k_scale, v_scale, k, v, want
+    torch.cuda.empty_cache()
+    return row
+
+
 def peak_memory(length: int, dim: int = 128) -> dict:
     """Peak bytes allocated beyond the inputs, one sequence of 32 heads, naive vs the kernel."""
     q, k, v = (torch.randn(1, HEADS, length, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -178,7 +218,20 @@ def peak_memory(length: int, dim: int = 128) -> dict:
 
 
 def main() -> None:
-    args = arguments().parse_args()
+    parser = arguments()
+    parser.add_argument("--kv-cache-dtype", default="",
+                        help="also time the extends on quantised caches: fp8, int8 or fp8,int8")
+    args = parser.parse_args()
+    formats = [f for f in args.kv_cache_dtype.split(",") if f]
+    from kvlab.quantization import kv_cache_format
+
+    for fmt in formats:
+        try:
+            quantised = kv_cache_format(fmt) is not None
+        except ValueError:
+            quantised = False
+        if not quantised:
+            parser.error(f"--kv-cache-dtype takes quantised formats (fp8, int8), got {fmt!r}")
     env = environment()
     rows = []
     for batch, length, dim in TARGETS + [s for s in SWEEP if s not in TARGETS]:
@@ -197,7 +250,11 @@ def main() -> None:
                        "engine_vs_contiguous", "err_kvlab", "err_paged", "err_paged_new"])
     print_table(extends, list(extends[0]))
     print_table(memory, ["seq_len", "kvlab_bytes", "naive_bytes"])
-    save("flash_attention", {"env": env, "rows": rows, "extends": extends, "memory": memory}, args.out)
+    payload = {"env": env, "rows": rows, "extends": extends, "memory": memory}
+    if formats:
+        payload["quantized_extends"] = [quantized_extend(*shape, fmt) for fmt in formats for shape in EXTENDS]
+        print_table(payload["quantized_extends"], list(payload["quantized_extends"][0]))
+    save("flash_attention", payload, args.out)
 
 
 if __name__ == "__main__":

@@ -189,7 +189,8 @@ def paged_prefill_check_kernel(stats_ptr, seq_lens_ptr, query_lens_ptr, block_ta
 
 def check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out,
                              k_new=None, v_new=None, *, max_query_len: int | None = None,
-                             cu_query_lens: torch.Tensor | None = None) -> tuple[int, torch.Tensor | None]:
+                             cu_query_lens: torch.Tensor | None = None, k_scale=None,
+                             v_scale=None) -> tuple[int, torch.Tensor | None]:
     """Raise TypeError/ValueError naming the first argument of paged_prefill that breaks a rule.
 
     Returns ``(longest query_len, cu_query_lens)``: the given ``cu_query_lens`` once checked
@@ -197,7 +198,10 @@ def check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_
     """
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache_pair(k_cache, v_cache)
     _check_tensor("q", q, 3, "[total_q, num_heads, head_dim]")
-    _check_dtypes(q=q, k_cache=k_cache, v_cache=v_cache)
+    if check_kv_scales(k_cache, v_cache, k_scale, v_scale):   # a quantised cache holds codes, not q's dtype
+        _check_supported_dtype("q", q)
+    else:
+        _check_dtypes(q=q, k_cache=k_cache, v_cache=v_cache)
     _check_heads(q.shape[1], num_kv_heads, "q", "k_cache")
     _check_head_dim(q.shape[2], head_dim, "k_cache")
     _check_rows_contiguous(q=q)

@@ -18,6 +18,7 @@ Two kernels run that same loop and differ only in where a tile of K/V comes from
   sequence's block table. This is the engine's prefill/extend attention: new tokens attend to
   the cached prefix and to themselves. Handed the step's own K/V (``k_new``/``v_new``), it
   reads the new tokens' keys from them as whole tiles and only the prefix through the table.
+  Over a quantised cache (fp8, int8) it reads the codes and dequantises in registers.
 
 Causal attention is bottom-right aligned: a sequence's ``len_q`` queries are its *last*
 ``len_q`` positions, so query ``i`` sees keys ``0 .. len_k - len_q + i`` (prefill, decode and
@@ -47,11 +48,22 @@ LOG2_E = 1.4426950408889634  # scores are scaled by log2(e) so the kernels can u
 # -- the loop body both kernels share ---------------------------------------------------
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, k, v, offs_m, offs_n, len_k, causal_shift, qk_scale,
-                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 k_scale=None, v_scale=None, KV_QUANT: tl.constexpr = False):
     """Fold one tile of keys (``k``, ``v``: [BLOCK_N, HEAD_DIM]) into the running softmax of the
     program's queries (``q``: [BLOCK_M, HEAD_DIM]). ``offs_m``/``offs_n`` are the positions of the
-    rows and keys within their sequence. Returns the updated ``(acc, m_i, l_i)``."""
+    rows and keys within their sequence. Returns the updated ``(acc, m_i, l_i)``.
+
+    ``KV_QUANT``: ``k``/``v`` are fp8 or int8 codes and ``k_scale``/``v_scale`` [BLOCK_N] their
+    keys' scales. A key's scale multiplies its whole column of scores, and a value's scale its
+    column of ``p``: applied there, after the dot and before the second, the codes go into the
+    tensor cores as they are (exact in q's dtype) and no dequantised tile is ever formed."""
+    if KV_QUANT:   # (by way of float32: fp8 -> bfloat16 directly takes more instructions on sm_90)
+        k = k.to(tl.float32).to(q.dtype)
+        v = v.to(tl.float32).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)            # [BLOCK_M, BLOCK_N]
+    if KV_QUANT:
+        s = s * k_scale[None, :]
     if MASKED:
         # Only the tiles that cross the end of the keys or the causal diagonal pay for a mask.
         visible = offs_n[None, :] < len_k
@@ -71,6 +83,8 @@ def _attend_tile(acc, m_i, l_i, q, k, v, offs_m, offs_n, len_k, causal_shift, qk
     # (m_new is finite from the first tile on: key 0 is in it, and every query sees key 0.)
     alpha = tl.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_QUANT:
+        p = p * v_scale[None, :]
     # p is cast to V's dtype so the second product runs on the tensor cores like the first; the
     # rescaled accumulator goes into the MMA as its addend, and stays float32.
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
@@ -205,11 +219,12 @@ def _tile_pages(table_ptr, start_n, len_k, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl
 
 
 @triton.jit
-def _load_paged_kv(k_cache_ptr, v_cache_ptr, pages, start_n, len_k, kv_head,
+def _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, start_n, len_k, kv_head,
                    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+                   BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr):
     """K and V of the keys ``start_n .. start_n + BLOCK_N - 1`` of one sequence, whose table entries
-    ``pages`` are (from ``_tile_pages``): key ``pos`` lives in slot ``page * BLOCK_SIZE + pos % BLOCK_SIZE``."""
+    ``pages`` are (from ``_tile_pages``): key ``pos`` lives in slot ``page * BLOCK_SIZE + pos % BLOCK_SIZE``.
+    Returns ``(k, v, k_scale, v_scale)``; the scales (one per key) only with ``KV_QUANT``, else None."""
     pos = start_n + tl.arange(0, BLOCK_N)
     in_seq = pos < len_k
     if BLOCK_N % BLOCK_SIZE == 0 and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
@@ -232,14 +247,25 @@ def _load_paged_kv(k_cache_ptr, v_cache_ptr, pages, start_n, len_k, kv_head,
     else:
         k = tl.load(k_cache_ptr + offs)
         v = tl.load(v_cache_ptr + offs)
-    return k, v
+    if KV_QUANT:
+        # A slot's scales sit at the same (block, offset) as its values, one per KV head.
+        rows = slot * NUM_KV_HEADS + kv_head
+        if MASKED:
+            k_scale = tl.load(k_scale_ptr + rows, mask=in_seq, other=0.0)
+            v_scale = tl.load(v_scale_ptr + rows, mask=in_seq, other=0.0)
+        else:
+            k_scale = tl.load(k_scale_ptr + rows)
+            v_scale = tl.load(v_scale_ptr + rows)
+        return k, v, k_scale, v_scale
+    else:
+        return k, v, None, None
 
 
 @triton.jit
-def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, full_end, end,
-                       len_k, shift, qk_scale, CAUSAL: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                       NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
+                       kv_head, full_end, end, len_k, shift, qk_scale, CAUSAL: tl.constexpr,
+                       BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
     """``_attend_keys`` for keys in the paged cache: the same two ranges of tiles, each tile's
     keys found through the block table (``len_k``: the keys that exist)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -251,23 +277,27 @@ def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table
     pages = _tile_pages(table_ptr, 0, len_k, BLOCK_SIZE, BLOCK_N)
     for start_n in range(0, full_end, BLOCK_N):
         next_pages = _tile_pages(table_ptr, start_n + BLOCK_N, len_k, BLOCK_SIZE, BLOCK_N)
-        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, pages, start_n, len_k, kv_head,
-                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, MASKED=False)
+        k, v, ks, vs = _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, start_n, len_k,
+                                      kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False, KV_QUANT)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
-                                     MASKED=False, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
+                                     MASKED=False, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION,
+                                     k_scale=ks, v_scale=vs, KV_QUANT=KV_QUANT)
         pages = next_pages
     for start_n in range(full_end, end, BLOCK_N):
-        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, _tile_pages(table_ptr, start_n, len_k, BLOCK_SIZE, BLOCK_N),
-                              start_n, len_k, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, MASKED=True)
+        k, v, ks, vs = _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                      _tile_pages(table_ptr, start_n, len_k, BLOCK_SIZE, BLOCK_N), start_n, len_k,
+                                      kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True, KV_QUANT)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
-                                     MASKED=True, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION)
+                                     MASKED=True, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION,
+                                     k_scale=ks, v_scale=vs, KV_QUANT=KV_QUANT)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, prefix_len, qk_scale,
-                   BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head,
+                   prefix_len, qk_scale, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   KV_QUANT: tl.constexpr):
     """Fold a cached prefix of ``prefix_len`` keys, read through the block table, into the running
     softmax. Every new token sees all of it: whole tiles unmasked, then at most one ragged tile."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -275,16 +305,18 @@ def _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr
     pages = _tile_pages(table_ptr, 0, prefix_len, BLOCK_SIZE, BLOCK_N)    # read a tile ahead, as above
     for start_n in range(0, full_end, BLOCK_N):
         next_pages = _tile_pages(table_ptr, start_n + BLOCK_N, prefix_len, BLOCK_SIZE, BLOCK_N)
-        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, pages, start_n, prefix_len, kv_head,
-                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, MASKED=False)
+        k, v, ks, vs = _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, start_n,
+                                      prefix_len, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False, KV_QUANT)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, prefix_len, 0, qk_scale,
-                                     MASKED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+                                     MASKED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                                     k_scale=ks, v_scale=vs, KV_QUANT=KV_QUANT)
         pages = next_pages
     if full_end < prefix_len:
-        k, v = _load_paged_kv(k_cache_ptr, v_cache_ptr, pages, full_end, prefix_len, kv_head,
-                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, MASKED=True)
+        k, v, ks, vs = _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, full_end,
+                                      prefix_len, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True, KV_QUANT)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, full_end + offs_n, prefix_len, 0, qk_scale,
-                                     MASKED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION)
+                                     MASKED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
+                                     k_scale=ks, v_scale=vs, KV_QUANT=KV_QUANT)
     return acc, m_i, l_i
 
 
@@ -293,6 +325,7 @@ def paged_prefill_kernel(
     q_desc,                                     # descriptor of q [total_q, num_heads, HEAD_DIM]
     k_new_desc, v_new_desc,                     # NEW_KV: descriptors of the new tokens' K/V, packed like q
     k_cache_ptr, v_cache_ptr, out_ptr,          # caches [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
+    k_scale_ptr, v_scale_ptr,                   # KV_QUANT: [num_blocks, BLOCK_SIZE, num_kv_heads] float32, else None
     block_tables_ptr,                           # [batch, max_blocks] int32
     seq_lens_ptr,                               # [batch] int32: cached tokens, the new ones included
     cu_query_lens_ptr,                          # [batch + 1] int32: where each sequence's queries start
@@ -301,6 +334,7 @@ def paged_prefill_kernel(
     group, qk_scale,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NEW_KV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_QUANT: tl.constexpr = False,             # the cache holds fp8/int8 codes, a scale per (slot, KV head)
 ):
     # One program: BLOCK_M new tokens of one head of one sequence.
     pid_m = tl.program_id(0)
@@ -335,9 +369,9 @@ def paged_prefill_kernel(
         # cached prefix goes through the block table. Every new token sees the whole prefix (no
         # causal mask; only its ragged last tile is masked), and the new tokens attend causally
         # to each other, tiles straight from k_new/v_new. A plain prefill reads no page at all.
-        acc, m_i, l_i = _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
-                                       seq_len - len_q, qk_scale, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
-                                       DOT_PRECISION)
+        acc, m_i, l_i = _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                                       table_ptr, kv_head, seq_len - len_q, qk_scale, BLOCK_SIZE, NUM_KV_HEADS,
+                                       HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT)
         full_end, end, shift = _causal_bounds(start_m, len_q, len_q, BLOCK_M, BLOCK_N, True)
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, offs_m, k_new_desc, v_new_desc, seq, kv_head, q_start,
                                      full_end, end, len_q, shift, qk_scale, True, True, BLOCK_N, HEAD_DIM,
@@ -345,9 +379,10 @@ def paged_prefill_kernel(
     else:
         # Every key through the block table, the causal shift being the cached prefix's length.
         full_end, end, shift = _causal_bounds(start_m, len_q, seq_len, BLOCK_M, BLOCK_N, True)
-        acc, m_i, l_i = _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, table_ptr, kv_head,
-                                           full_end, end, seq_len, shift, qk_scale, True, BLOCK_SIZE,
-                                           NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+        acc, m_i, l_i = _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                                           v_scale_ptr, table_ptr, kv_head, full_end, end, seq_len, shift, qk_scale,
+                                           True, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+                                           KV_QUANT)
 
     out = acc / l_i[:, None]
     out_ptrs = out_ptr + (q_start + offs_m[:, None]).to(tl.int64) * stride_ot + head * stride_oh + offs_d[None, :]
@@ -435,8 +470,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
                   k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                   max_query_len: int | None = None, cu_query_lens: torch.Tensor | None = None,
                   max_seq_len: int | None = None, out: torch.Tensor | None = None, validate: bool = True, block_m: int | None = None,
-                  block_n: int | None = None, num_warps: int | None = None,
-                  num_stages: int | None = None) -> torch.Tensor:
+                  block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a step's new tokens to their sequences' paged K/V (prefill and extend).
 
     ``q`` ``[total_q, num_heads, head_dim]`` packs every sequence's new tokens in batch order;
@@ -451,6 +486,12 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     the new tokens' keys from them, whole tiles at a time, and only the cached prefix through the
     block table; without them, every key goes through the table.
 
+    A quantised cache (float8_e4m3fn or int8, :mod:`kvlab.quantization`) comes with its scales
+    ``k_scale``/``v_scale`` ``[num_blocks, block_size, num_kv_heads]`` float32: the kernel reads
+    the codes and dequantises in registers (the scales applied to the scores and to the softmax
+    weights, see ``_attend_tile``). Given ``k_new``/``v_new`` as well, the new tokens attend to
+    those exactly and only the prefix is dequantised; without them, to what the cache holds.
+
     ``validate`` checks every argument before the launch, with one read back to the host (a
     check kernel's statistics of the lengths and the used block-table entries, which also give
     the grid's ``max_query_len``; see :mod:`kvlab.kernels.attention_checks`). Unchecked, ``max_query_len``
@@ -462,7 +503,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     if validate:
         longest_q, cu_query_lens = check_paged_prefill_args(
             q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out, k_new, v_new,
-            max_query_len=max_query_len, cu_query_lens=cu_query_lens)
+            max_query_len=max_query_len, cu_query_lens=cu_query_lens, k_scale=k_scale, v_scale=v_scale)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
@@ -486,8 +527,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
                                _tile_descriptor(v_new, cfg["BLOCK_N"], varlen=True)) if new_kv else (None, None))
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_heads, batch)
     paged_prefill_kernel[grid](
-        q_desc, k_new_desc, v_new_desc, k_cache, v_cache, out, block_tables, seq_lens, cu_query_lens,
-        out.stride(0), out.stride(1), block_tables.stride(0), num_heads // num_kv_heads, sm_scale * LOG2_E,
-        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, NEW_KV=new_kv,
-        DOT_PRECISION=_dot_precision(q.dtype), **cfg)
+        q_desc, k_new_desc, v_new_desc, k_cache, v_cache, out, k_scale, v_scale, block_tables, seq_lens,
+        cu_query_lens, out.stride(0), out.stride(1), block_tables.stride(0), num_heads // num_kv_heads,
+        sm_scale * LOG2_E, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, NEW_KV=new_kv,
+        DOT_PRECISION=_dot_precision(q.dtype), KV_QUANT=k_scale is not None, **cfg)
     return out

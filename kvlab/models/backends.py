@@ -170,9 +170,10 @@ def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_s
                    v_new=None, k_scale=None, v_scale=None):
     """The course's kernels; the engine built the arguments, so they are not checked again.
 
-    A quantised cache (``k_scale``/``v_scale``): ``paged_decode`` dequantises in registers;
-    ``paged_prefill`` cannot yet, so prompt and chunk steps gather and dequantise the blocks
-    they read (:func:`torch_backend`)."""
+    A quantised cache (``k_scale``/``v_scale``): both kernels read its codes and dequantise in
+    registers. Every key then comes from the cache, the step's own included (``k_new``/``v_new``
+    are not used): the new tokens are seen as the cache holds them, as every later step and the
+    reference backend see them."""
     from kvlab.kernels import paged_decode, paged_prefill   # here: kvlab.models loads without Triton
 
     scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
@@ -186,15 +187,11 @@ def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_s
         return paged_decode(q, k_cache, v_cache, block_tables.repeat_interleave(max_query_len, dim=0),
                             (seq_lens[:, None] + rows).flatten(), None, sm_scale,
                             max_seq_len=max_seq_len or int(seq_lens.max()), validate=False, **scales)
-    if scales:
-        return torch_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale,
-                             max_seq_len=max_seq_len, max_query_len=max_query_len, cu_query_lens=cu_query_lens,
-                             **scales)
-    if not reads_new_kv(max_seq_len, max_query_len):
+    if scales or not reads_new_kv(max_seq_len, max_query_len):
         k_new = v_new = None
     return paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, k_new=k_new,
                          v_new=v_new, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                         cu_query_lens=cu_query_lens, validate=False)
+                         cu_query_lens=cu_query_lens, validate=False, **scales)
 
 
 # A backend that reads nothing back to the host can be recorded in a CUDA graph; one that does
