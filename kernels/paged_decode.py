@@ -63,6 +63,7 @@ def decode_split_kernel(
     WRITE_FINAL: tl.constexpr,  # one split: write the normalised output directly
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32 rounding), else "tf32" (unused for 16-bit)
     KV_QUANT: tl.constexpr = False,  # the cache holds fp8/int8 values and a scale per (token, KV head)
+    QUANT_DOT: tl.constexpr = tl.float32,  # KV_QUANT: the dots' input type (fp16 on a GPU)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -83,6 +84,10 @@ def decode_split_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=head_mask[:, None], other=0.0)
+    if KV_QUANT:
+        # fp16 dots: e4m3 and int8 codes become fp16 in one conversion (bf16 takes three, and
+        # the conversions, not the bytes, would set the pace); a query's values fit fp16.
+        q = q.to(QUANT_DOT)
 
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores
     l = tl.zeros([GROUP_PAD], tl.float32)                 # running sum of exp(score - m)
@@ -98,14 +103,14 @@ def decode_split_kernel(
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
         if KV_QUANT:
-            # Dequantise in registers, never in memory. The codes convert exactly to q's dtype
-            # (e4m3 and int8 values are bf16 numbers); a key's scale multiplies its score column
+            # Dequantise in registers, never in memory. The codes convert exactly to fp16 (e4m3
+            # and int8 values are fp16 numbers); a key's scale multiplies its score column
             # after the dot, and a value's scale its probability column before the second dot.
             # So the scales touch [GROUP_PAD, BLOCK_N] tiles, not the 8x larger K and V tiles.
             k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+            k = k.to(QUANT_DOT)
+            v = v.to(QUANT_DOT)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale   # [GROUP_PAD, BLOCK_N]
         if KV_QUANT:
@@ -209,7 +214,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
             max_seq_len = longest if longest is not None else grid_length(seq_lens, None, "max_seq_len", False)
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n=block_n)
     if q.is_cuda:
-        num_warps, num_stages = num_warps or 8, num_stages or 3
+        # a quantised cache: half the bytes a tile, and 4 warps won the H200 sweep there
+        num_warps, num_stages = num_warps or (4 if k_scale is not None else 8), num_stages or 3
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     final = num_splits == 1
     partial = out if final else torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
@@ -220,7 +226,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
         q.stride(0), q.stride(1), block_tables.stride(0), num_kv_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=k_scale is not None, **launch)
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=k_scale is not None,
+        QUANT_DOT=tl.float32 if q.dtype == torch.float32 else tl.float16, **launch)
     if not final:
         merge_splits_kernel[(batch * num_heads,)](partial, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   SPLITS_PAD=triton.next_power_of_2(num_splits))

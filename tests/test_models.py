@@ -460,3 +460,16 @@ def test_the_fused_kernels_give_the_pytorch_forward(monkeypatch):
         results.append((hidden, cache.k.clone(), cache.v.clone()))
     for plain, fused in zip(*results):
         torch.testing.assert_close(fused, plain, atol=1e-5, rtol=0, equal_nan=True)
+
+
+def test_only_short_uniform_queries_run_as_decode_rows():
+    """Verification of a few drafts may run as decode rows; a lone long prompt (also a uniform
+    step) never does: as rows it would read all its K/V once per token."""
+    from kvlab.models.backends import verify_with_paged_decode
+
+    h200 = dict(num_heads=32, num_kv_heads=8, num_sms=132)
+    assert verify_with_paged_decode(1, 6, **h200)            # batch 1: too few prefill programs
+    assert verify_with_paged_decode(8, 3, **h200)            # fewer tokens than GQA heads
+    assert not verify_with_paged_decode(8, 5, **h200)
+    assert not verify_with_paged_decode(1, 2048, **h200)     # a prompt
+    assert not verify_with_paged_decode(1, 16384, **h200)

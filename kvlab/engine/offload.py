@@ -150,9 +150,13 @@ class HostKVCache:
 
     def __init__(self, kv_cache, num_blocks: int):
         self.kv_cache = kv_cache
-        # [num_layers, num_blocks, bytes of one block of one layer] byte views of the cache
-        self.parts = [t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1) for t in kv_cache.block_tensors()]
-        self.bytes_per_block = sum(p.shape[0] * p.shape[2] for p in self.parts)
+        # [num_layers, num_blocks, one block of one layer] views of the cache in the widest
+        # integer type that divides every row (a gather moves 8-byte words, not single bytes)
+        rows = [t.view(torch.uint8).reshape(t.shape[0], t.shape[1], -1) for t in kv_cache.block_tensors()]
+        self.unit = next(u for u in (torch.int64, torch.int32, torch.uint8)
+                         if all(r.shape[2] % u.itemsize == 0 for r in rows))
+        self.parts = [r.view(self.unit) for r in rows]
+        self.bytes_per_block = sum(r.shape[0] * r.shape[2] for r in rows)
         device = kv_cache.k.device
         self.storage = torch.empty(num_blocks, self.bytes_per_block, dtype=torch.uint8,
                                    pin_memory=device.type == "cuda")
@@ -169,7 +173,7 @@ class HostKVCache:
             staging = self._gather(ids)
             if current is not None:
                 current.wait_stream(self.stream)          # the blocks may be reused from here on
-            self.storage[start:start + len(host_blocks)].copy_(staging, non_blocking=True)
+            self.storage[start:start + len(host_blocks)].copy_(staging.view(torch.uint8), non_blocking=True)
 
     def swap_in(self, host_blocks: list[int], gpu_blocks: list[int]) -> None:
         """Copy the host run ``host_blocks`` into device blocks, before the caller's next kernel."""
@@ -180,13 +184,13 @@ class HostKVCache:
         with self._side() as current:
             ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=device)
             staging = self.storage[start:start + len(host_blocks)].to(device, non_blocking=True)
-            self._scatter(staging, ids)
+            self._scatter(staging.view(self.unit), ids)
             if current is not None:
                 current.wait_stream(self.stream)
 
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The blocks ``ids`` of every layer, block-major, in one staging buffer."""
-        staging = torch.empty(len(ids), self.bytes_per_block, dtype=torch.uint8, device=ids.device)
+        staging = torch.empty(len(ids), self.bytes_per_block // self.unit.itemsize, dtype=self.unit, device=ids.device)
         offset = 0
         for part in self.parts:
             layers, _, width = part.shape

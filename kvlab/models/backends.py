@@ -137,19 +137,24 @@ def _batch_plan(block_tables, seq_lens, query_lens, block_size, num_tokens, max_
 
 #: Verify through paged_decode where :func:`verify_with_paged_decode` says so (False: never).
 SPLIT_KV_VERIFY = True
+VERIFY_QUERY_TILE = 64      # the query tokens of one paged_prefill program (its smallest BLOCK_M)
 
 
 def verify_with_paged_decode(batch: int, query_len: int, num_heads: int, num_kv_heads: int, num_sms: int) -> bool:
     """Whether a uniform step runs faster as ``batch * query_len`` decode rows.
 
-    ``paged_prefill`` runs one program per (sequence, query head): with few sequences that is
-    fewer programs than the GPU has SMs, where the split-KV decode kernel fills them all. It
-    also reads a sequence's K/V once per query head of a GQA group, the decode rows once per
-    query token: with fewer query tokens than group heads, the rows read less. (H200, 8B-shaped
-    model, group 4: verification of 6 tokens at batch 1 costs 1.10x a decode step this way,
-    1.26x through paged_prefill; at batch 8 the rows lose from q = 5 on; benchmarks/RESULTS.md.)
+    ``paged_prefill`` runs one program per (query tile, sequence, query head): for a short
+    query (verifying k + 1 drafts) and few sequences that is fewer programs than the GPU has
+    SMs, where the split-KV decode kernel fills them all. It also reads a sequence's K/V once
+    per query head of a GQA group, the decode rows once per query token: with fewer query
+    tokens than group heads, the rows read less. (H200, 8B-shaped model, group 4: verification
+    of 6 tokens at batch 1 costs 1.10x a decode step this way, 1.26x through paged_prefill; at
+    batch 8 the rows lose from q = 5 on; benchmarks/RESULTS.md.) A long query, such as a lone
+    prompt, fills the GPU through its query tiles, and as rows it would read all of its K/V
+    once per token: never.
     """
-    return SPLIT_KV_VERIFY and (batch * num_heads < num_sms or query_len < num_heads // num_kv_heads)
+    programs = batch * num_heads * -(-query_len // VERIFY_QUERY_TILE)
+    return SPLIT_KV_VERIFY and (programs < num_sms or query_len < num_heads // num_kv_heads)
 
 
 def reads_new_kv(max_seq_len: int | None, max_query_len: int | None) -> bool:
@@ -181,7 +186,7 @@ def triton_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_s
         return paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits, sm_scale,
                             max_seq_len=max_seq_len, validate=False, **scales)
     batch, num_heads = seq_lens.shape[0], q.shape[1]
-    if phase == "uniform" and max_query_len and (scales or verify_with_paged_decode(
+    if phase == "uniform" and max_query_len and (verify_with_paged_decode(
             batch, max_query_len, num_heads, k_cache.shape[2], num_sms(q.device))):
         rows = torch.arange(1 - max_query_len, 1, device=seq_lens.device, dtype=seq_lens.dtype)
         return paged_decode(q, k_cache, v_cache, block_tables.repeat_interleave(max_query_len, dim=0),
