@@ -139,7 +139,9 @@ def recompute(layers: int) -> tuple[list[dict], object]:
     rows = []
     for tokens in PREFILL_TOKENS:
         ids = torch.randint(0, 128000, (tokens,)).tolist()
-        llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)      # warm-up
+        warm = llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)
+        if warm[0].error is not None:                  # a failed step ends a request fast: no timing
+            raise RuntimeError(f"the {tokens}-token prefill failed: {warm[0].error}")
         seconds = timed(lambda: llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False), 3)
         rows.append({"tokens": tokens, "prefill_ms": round(seconds * 1e3, 2),
                      "us_per_token": round(seconds / tokens * 1e6, 2)})

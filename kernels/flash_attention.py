@@ -224,7 +224,7 @@ def _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, st
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr):
     """K and V of the keys ``start_n .. start_n + BLOCK_N - 1`` of one sequence, whose table entries
     ``pages`` are (from ``_tile_pages``): key ``pos`` lives in slot ``page * BLOCK_SIZE + pos % BLOCK_SIZE``.
-    Returns ``(k, v, k_scale, v_scale)``; the scales (one per key) only with ``KV_QUANT``, else None."""
+    Returns ``(k, v, k_scale, v_scale)``; the scales (one per key) only with ``KV_QUANT``, else 1.0."""
     pos = start_n + tl.arange(0, BLOCK_N)
     in_seq = pos < len_k
     if BLOCK_N % BLOCK_SIZE == 0 and (BLOCK_SIZE & (BLOCK_SIZE - 1)) == 0:
@@ -258,7 +258,7 @@ def _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, st
             v_scale = tl.load(v_scale_ptr + rows)
         return k, v, k_scale, v_scale
     else:
-        return k, v, None, None
+        return k, v, 1.0, 1.0       # unused (Triton 3.6 cannot return None from a jit function)
 
 
 @triton.jit
