@@ -121,7 +121,7 @@ def test_the_accuracy_benchmark_measures_through_the_cache():
     with torch.inference_mode():
         plain = model.compute_logits(model(window, torch.arange(len(window), device=model.device))).float()
     auto, fp8 = (bench.window_logits(model, window, fmt, block_size=8) for fmt in ("auto", "fp8"))
-    tol = 1e-4 if model.dtype == torch.float32 else 3e-2     # bf16 on a GPU: other kernels, other roundings
-    torch.testing.assert_close(auto, plain, rtol=tol, atol=tol)
-    err = ((fp8 - plain).norm() / plain.norm()).item()
-    assert 0 < err < 0.1
+    rel = lambda a: ((a - plain).norm() / plain.norm()).item()       # noqa: E731
+    # bf16 on a GPU: other kernels, other roundings (a 1e-2 relative error is bf16's own)
+    assert rel(auto) < (1e-5 if model.dtype == torch.float32 else 2e-2)
+    assert rel(auto) < rel(fp8) < 0.1

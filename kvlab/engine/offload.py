@@ -88,10 +88,10 @@ def model_costs(config, bandwidth: float, latency: float, flops_per_s: float) ->
                            prefill_per_token_sq=attention / flops_per_s)
 
 
-# Measured on one H200 (PCIe gen 5 host link) by benchmarks/bench_offload.py: pinned copy rate,
-# the fixed cost of one staged transfer, and the 8B-shaped model's prefill rate.
-# See benchmarks/RESULTS.md ("offload").
-H200 = dict(bandwidth=50e9, latency=60e-6, flops_per_s=600e12)
+# Measured on one H200 by benchmarks/bench_offload.py (results/offload.json): a staged transfer's
+# rate (pinned copies reach 55 GB/s) and fixed cost, and the 8B-shaped model's prefill rate in
+# weight FLOPs (its fitted linear term). There, swapping wins from about 20 tokens on.
+H200 = dict(bandwidth=51.9e9, latency=168e-6, flops_per_s=685e12)
 # A CPU "host tier" is a memcpy in the same memory, and a prefill runs at CPU FLOP rates.
 CPU = dict(bandwidth=5e9, latency=20e-6, flops_per_s=100e9)
 
