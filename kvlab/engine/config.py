@@ -43,6 +43,10 @@ class EngineConfig:
     waiting prompt's chunks go before the decodes (None: never). See :mod:`kvlab.engine.scheduler`.
     ``kv_cache_dtype``: ``"auto"`` (the model's dtype), ``"fp8"`` (e4m3) or ``"int8"``, with a
     float32 scale per (token, KV head) beside the values (:mod:`kvlab.quantization`).
+    ``tensor_parallel_size``: ranks the model is split across, one process each
+    (:mod:`kvlab.engine.tensor_parallel`); it must divide the model's attention heads, KV heads
+    (kvlab refuses rather than replicating KV heads) and ``intermediate_size``; no speculative
+    decoding at more than 1.
     """
 
     block_size: int = 16
@@ -64,6 +68,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     prefill_priority_after: float | None = None
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         check_count("block_size", self.block_size, minimum=1)
@@ -81,6 +86,10 @@ class EngineConfig:
         kv_cache_format(self.kv_cache_dtype)         # a known name, or a clear error
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        check_count("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError(f"speculative_config is not supported with tensor_parallel_size > 1 "
+                             f"(got {self.tensor_parallel_size})")
 
     def resolve(self, context_length: int) -> "EngineConfig":
         """Fill in what depends on the model: ``max_model_len`` (checked against the model's

@@ -23,6 +23,10 @@ through the runner's backend (:mod:`kvlab.models.backends`): on a GPU the course
   its cache the same way.
 * On the CPU: enough blocks for ``max_num_seqs`` sequences of ``max_model_len`` tokens,
   but at most :data:`CPU_KV_CACHE_BYTES` of memory.
+
+At tensor parallelism N each rank's cache holds its own ``KV / N`` KV heads under the same
+block ids, so a block costs each rank ``1/N`` of its bytes; every rank sizes its own and they
+take the smallest count (:mod:`kvlab.engine.tensor_parallel`).
 """
 from __future__ import annotations
 
@@ -69,6 +73,7 @@ class ModelRunner:
         self.extra_block_bytes = check_count("extra_block_bytes", extra_block_bytes)
         self.model = model.fuse()
         self.config = model.config
+        self.tp = model.tp                    # this rank of a tensor-parallel group (size 1: alone)
         self.device = model.device
         self.block_size = block_size
         self.max_model_len = max_model_len or self.config.max_position_embeddings
@@ -82,9 +87,10 @@ class ModelRunner:
         if num_gpu_blocks is None:
             num_gpu_blocks = self.default_num_blocks(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
                                                      max(graph_sizes, default=0))
+            num_gpu_blocks = self.tp.agree_min(num_gpu_blocks, self.device)
         check_count("num_gpu_blocks", num_gpu_blocks, minimum=1)
-        c = self.config
-        self.kv_cache = allocate_kv_cache(c.num_layers, num_gpu_blocks, block_size, c.num_kv_heads, c.head_dim,
+        c, kv_heads = self.config, self.config.num_kv_heads // self.tp.size     # this rank's KV heads
+        self.kv_cache = allocate_kv_cache(c.num_layers, num_gpu_blocks, block_size, kv_heads, c.head_dim,
                                           dtype=model.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype)
         self.graphs = None                                   # decode steps
         self.uniform_graphs: dict[int, CudaGraphs] = {}      # steps of q > 1 tokens per sequence, by q
@@ -115,7 +121,7 @@ class ModelRunner:
         # extra_block_bytes: what each block costs elsewhere (a draft model's cache of as many blocks)
         # Never more blocks than max_num_seqs full-length sequences can fill. (vLLM takes the whole
         # budget; capping it lets a notebook keep several small engines in one process.)
-        per_block = (block_bytes(self.config, self.block_size, self.model.dtype, self.kv_cache_dtype)
+        per_block = (block_bytes(self.config, self.block_size, self.model.dtype, self.kv_cache_dtype) // self.tp.size
                      + self.extra_block_bytes)
         wanted = max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
         if self.device.type == "cuda":
