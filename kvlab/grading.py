@@ -35,6 +35,7 @@ CHAPTERS = {
     "ch06": "FlashDecoding",
     "ch07": "Speculative decoding",
     "ch08": "Continuous batching",
+    "ch10": "Tensor parallelism",
 }
 
 
