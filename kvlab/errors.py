@@ -18,3 +18,8 @@ class UnknownSequenceError(KVLabError, KeyError):
 
 class SharedBlockWriteError(KVLabError):
     """A write to a block that other sequences share, bypassing copy-on-write; nothing was written."""
+
+
+class EngineDeadError(KVLabError, RuntimeError):
+    """The engine cannot run another step: a tensor-parallel worker died, or a step failed
+    half-way with the ranks out of step. Close the engine and start a new one."""

@@ -36,6 +36,7 @@ CHAPTERS = {
     "ch07": "Speculative decoding",
     "ch08": "Continuous batching",
     "ch09": "KV-cache quantisation and offload",
+    "ch10": "Tensor parallelism",
 }
 
 

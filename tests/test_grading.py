@@ -211,7 +211,7 @@ def test_the_canary_catches_a_store_past_the_end(tmp_path, monkeypatch):
 def test_show_solution_prints_one_tasks_section_and_names_bad_tasks(capsys):
     from kvlab.grading import solution_tasks
 
-    for chapter in ("ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09"):
+    for chapter in ("ch01", "ch02", "ch03", "ch04", "ch05", "ch06", "ch07", "ch08", "ch09", "ch10"):
         tasks = solution_tasks(chapter)
         assert tasks, chapter
         graded = (Path(__file__).parent / "graded" / f"test_{chapter}.py").read_text()

@@ -12,6 +12,7 @@ One concept per module: :mod:`~kvlab.engine.sampling_params` (what a request ask
 :mod:`~kvlab.engine.cuda_graphs` (decode steps replayed as CUDA graphs),
 :mod:`~kvlab.engine.spec_decode` (speculative decoding's proposers),
 :mod:`~kvlab.engine.rejection_sampler` (keeping drafts exactly),
+:mod:`~kvlab.engine.tensor_parallel` (one process per rank, rank 0 the engine),
 :mod:`~kvlab.engine.config` (every setting, checked once), :mod:`~kvlab.engine.inputs` and
 :mod:`~kvlab.engine.outputs` (what goes in and comes out) and :mod:`~kvlab.engine.llm` (the
 front door).

@@ -48,6 +48,10 @@ class EngineConfig:
     recomputes). ``preemption_mode``: ``"auto"`` (swap or recompute, whichever the cost model
     of :mod:`kvlab.engine.offload` says is cheaper), ``"swap"`` (whenever the host has room) or
     ``"recompute"``.
+    ``tensor_parallel_size``: ranks the model is split across, one process each
+    (:mod:`kvlab.engine.tensor_parallel`); it must divide the model's attention heads, KV heads
+    (kvlab refuses rather than replicating KV heads) and ``intermediate_size``; no speculative
+    decoding at more than 1.
     """
 
     block_size: int = 16
@@ -71,6 +75,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     swap_space: float = 0
     preemption_mode: str = "auto"
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         check_count("block_size", self.block_size, minimum=1)
@@ -93,6 +98,10 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.speculative_config is not None:
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        check_count("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if self.tensor_parallel_size > 1 and self.speculative_config is not None:
+            raise ValueError(f"speculative_config is not supported with tensor_parallel_size > 1 "
+                             f"(got {self.tensor_parallel_size})")
 
     def resolve(self, context_length: int) -> "EngineConfig":
         """Fill in what depends on the model: ``max_model_len`` (checked against the model's

@@ -30,6 +30,7 @@ import copy
 import itertools
 import random
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -48,6 +49,8 @@ from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence, SpecDecodeStats
 from kvlab.engine.spec_decode import (DEFAULT_DRAFT_MODEL, DraftModelProposer, NgramProposer, propose_drafts,
                                       record_verification, verify_drafts)
+from kvlab.engine.tensor_parallel import TensorParallelRunner, TensorParallelWorkers
+from kvlab.errors import EngineDeadError
 from kvlab.paging.block_pool import BlockPool, blocks_needed
 from kvlab.paging.prefix_hash import check_salt
 
@@ -83,7 +86,11 @@ class LLM:
     ``num_gpu_blocks``, ``gpu_memory_utilization``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``max_model_len``, ``enable_prefix_caching``,
     ``enforce_eager``, ``dtype``, ``device``, ``seed``, ``attention_backend``,
-    ``speculative_config``).
+    ``speculative_config``, ``tensor_parallel_size``).
+
+    With ``tensor_parallel_size=N`` the model is split across N processes (this one is rank 0;
+    :mod:`kvlab.engine.tensor_parallel`); ``model`` must then be a checkpoint folder, and
+    :meth:`close` stops the workers (so does garbage collection, or the interpreter's exit).
 
     On a GPU the engine captures CUDA graphs of decode steps at start-up (a progress bar
     shows it); ``enforce_eager=True`` runs every step eagerly instead.
@@ -104,13 +111,19 @@ class LLM:
                             f"{', '.join(EngineConfig.__dataclass_fields__)}")
         config = EngineConfig(**settings)
         device = config.device or profile.DEVICE
-        self.model, self.tokenizer = _load(model, tokenizer, config.dtype, device)
+        self._workers = None               # tensor parallelism: ranks 1 .. N-1, in processes of their own
+        if config.tensor_parallel_size > 1:
+            self._workers = TensorParallelWorkers(model, config.tensor_parallel_size, config.dtype, device)
+            self.model, self.tokenizer = self._workers.load_rank0(tokenizer)
+        else:
+            self.model, self.tokenizer = _load(model, tokenizer, config.dtype, device)
         self.config = self.model.config
         self.engine_config = config.resolve(self.config.max_position_embeddings)
         self.max_model_len = config.max_model_len
         spec = config.speculative_config
         draft = self._load_draft(spec, config, device) if spec and spec.method == "draft_model" else None
-        self.model_runner = ModelRunner(
+        runner = ModelRunner if self._workers is None else partial(TensorParallelRunner, self._workers)
+        self.model_runner = runner(
             self.model, block_size=config.block_size, num_gpu_blocks=config.num_gpu_blocks,
             gpu_memory_utilization=config.gpu_memory_utilization, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
@@ -186,6 +199,11 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (safe to call twice)."""
+        if getattr(self, "_workers", None) is not None:
+            self._workers.close()
 
     def __repr__(self) -> str:
         return (f"LLM({self.config.architecture}, {self.pool.num_blocks} blocks x {self.pool.block_size} tokens, "
@@ -263,12 +281,14 @@ class LLM:
         return held + self._step()
 
     def _step(self) -> list[RequestOutput]:
+        if self._workers is not None:
+            self._workers.check_alive()          # a dead tensor-parallel engine refuses every step
         out = self.scheduler.schedule()
         self.last_schedule = out
         ended = list(out.finished)
         if out.blocks_to_swap_out or out.blocks_to_swap_in:
             try:
-                self.model_runner.apply_swaps(out)
+                self.model_runner.apply_swaps(out.blocks_to_swap_out, out.blocks_to_swap_in)
             except Exception as e:       # noqa: BLE001
                 ended += self.scheduler.abandon(out, f"the step's swap failed: {type(e).__name__}: {e}")
                 out.scheduled = []
@@ -278,6 +298,8 @@ class LLM:
                     if self.proposer else None
                 logits = self.model_runner.compute_logits(out)
                 tokens, logprobs = self._sample(out, logits, draft_probs)
+            except EngineDeadError:
+                raise
             except Exception as e:       # noqa: BLE001  (a failed step ends its requests, not the engine)
                 ended += self.scheduler.abandon(out, f"the step failed: {type(e).__name__}: {e}")
             else:

@@ -26,6 +26,10 @@ through the runner's backend (:mod:`kvlab.models.backends`): on a GPU the course
   but at most :data:`CPU_KV_CACHE_BYTES` of memory.
 
 ``swap_space`` (GiB, vLLM's name) adds a host tier of that size for swapped-out sequences.
+
+At tensor parallelism N each rank's cache holds its own ``KV / N`` KV heads under the same
+block ids, so a block costs each rank ``1/N`` of its bytes; every rank sizes its own and they
+take the smallest count (:mod:`kvlab.engine.tensor_parallel`).
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ class ModelRunner:
         self.extra_block_bytes = check_count("extra_block_bytes", extra_block_bytes)
         self.model = model.fuse()
         self.config = model.config
+        self.tp = model.tp                    # this rank of a tensor-parallel group (size 1: alone)
         self.device = model.device
         self.block_size = block_size
         self.max_model_len = max_model_len or self.config.max_position_embeddings
@@ -86,9 +91,10 @@ class ModelRunner:
         if num_gpu_blocks is None:
             num_gpu_blocks = self.default_num_blocks(gpu_memory_utilization, max_num_seqs, max_num_batched_tokens,
                                                      max(graph_sizes, default=0))
+            num_gpu_blocks = self.tp.agree_min(num_gpu_blocks, self.device)
         check_count("num_gpu_blocks", num_gpu_blocks, minimum=1)
-        c = self.config
-        self.kv_cache = allocate_kv_cache(c.num_layers, num_gpu_blocks, block_size, c.num_kv_heads, c.head_dim,
+        c, kv_heads = self.config, self.config.num_kv_heads // self.tp.size     # this rank's KV heads
+        self.kv_cache = allocate_kv_cache(c.num_layers, num_gpu_blocks, block_size, kv_heads, c.head_dim,
                                           dtype=model.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype)
         # chapter 9: the host tier, swap_space GiB of (pinned) host memory in blocks like the cache's
         host_blocks = int(swap_space * 2**30) // (self.kv_cache.nbytes // num_gpu_blocks)
@@ -122,7 +128,7 @@ class ModelRunner:
         # extra_block_bytes: what each block costs elsewhere (a draft model's cache of as many blocks)
         # Never more blocks than max_num_seqs full-length sequences can fill. (vLLM takes the whole
         # budget; capping it lets a notebook keep several small engines in one process.)
-        per_block = (block_bytes(self.config, self.block_size, self.model.dtype, self.kv_cache_dtype)
+        per_block = (block_bytes(self.config, self.block_size, self.model.dtype, self.kv_cache_dtype) // self.tp.size
                      + self.extra_block_bytes)
         wanted = max_num_seqs * blocks_needed(self.max_model_len, self.block_size)
         if self.device.type == "cuda":
@@ -211,13 +217,14 @@ class ModelRunner:
         as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         return self.model(as_tensor(ids), as_tensor(positions), ctx)
 
-    def apply_swaps(self, out: SchedulerOutput) -> None:
-        """Swap the step's blocks out to the host tier and back in, one transfer per host run
-        (a sequence's blocks), before the step's copies and forward. Out goes first: a block
-        swapped out may be taken by the swap-ins or the new tokens of the same step."""
-        for device_blocks, host_blocks in _runs(out.blocks_to_swap_out, host_first=False):
+    def apply_swaps(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Swap a step's blocks out to the host tier (``(device, host)`` pairs) and back in
+        (``(host, device)``), one transfer per host run (a sequence's blocks), before the step's
+        copies and forward. Out goes first: a block swapped out may be taken by the swap-ins or
+        the new tokens of the same step."""
+        for device_blocks, host_blocks in _runs(swap_out, host_first=False):
             self.host_cache.swap_out(device_blocks, host_blocks)
-        for device_blocks, host_blocks in _runs(out.blocks_to_swap_in, host_first=True):
+        for device_blocks, host_blocks in _runs(swap_in, host_first=True):
             self.host_cache.swap_in(host_blocks, device_blocks)
 
     def apply_copies(self, pairs: list[tuple[int, int]]) -> None:

@@ -13,6 +13,7 @@ One concept per module: :mod:`~kvlab.models.config` (a checkpoint's shape),
 PyTorch and as fused kernels), :mod:`~kvlab.models.attention` (the attention layer),
 :mod:`~kvlab.models.context` (one engine step: slots, block tables, phase),
 :mod:`~kvlab.models.backends` (where a step meets the paged attention kernels),
+:mod:`~kvlab.models.parallel` (tensor parallelism: the shards and their collectives),
 :mod:`~kvlab.models.llama` (the decoder) and :mod:`~kvlab.models.loader` (files).
 """
 from kvlab.models.attention import Attention, causal_attention

@@ -22,6 +22,7 @@ from torch import nn
 
 from kvlab.models import ops
 from kvlab.models.context import AttentionContext
+from kvlab.models.parallel import SINGLE, ParallelContext
 from kvlab.models.rope import RotaryEmbedding, apply_rope
 
 
@@ -46,17 +47,21 @@ class Attention(nn.Module):
     Parameter names follow HF (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``) so that a
     checkpoint's ``model.layers.{i}.self_attn.*`` tensors load by name. For serving,
     :meth:`fuse` merges the three input projections into one matrix product.
+
+    With ``tp`` of size N (:mod:`kvlab.models.parallel`) it holds its rank's ``H / N`` query
+    heads and ``KV / N`` KV heads; o_proj's partial sums are all-reduced.
     """
 
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, tp: ParallelContext = SINGLE):
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.tp = tp
+        self.num_heads = tp.divide(config.num_heads, "num_attention_heads")
+        self.num_kv_heads = tp.divide(config.num_kv_heads, "num_key_value_heads")
         self.head_dim = config.head_dim
         self.sm_scale = 1.0 / math.sqrt(config.head_dim)
         self.rotary = rotary
-        h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        h, q, kv = config.hidden_size, self.num_heads * config.head_dim, self.num_kv_heads * config.head_dim
         self.q_proj = nn.Linear(h, q, bias=config.attention_bias)
         self.k_proj = nn.Linear(h, kv, bias=config.attention_bias)
         self.v_proj = nn.Linear(h, kv, bias=config.attention_bias)
@@ -95,4 +100,5 @@ class Attention(nn.Module):
                                          k_scale, v_scale)
             scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
             out = ctx.backend(q, k_cache, v_cache, self.sm_scale, ctx, k_new=k, v_new=v, **scales)
-        return ops.linear(out.reshape(*lead, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        out = ops.linear(out.reshape(*lead, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)
+        return self.tp.all_reduce(out)

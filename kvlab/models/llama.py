@@ -27,6 +27,7 @@ from kvlab.models import ops
 from kvlab.models.attention import Attention
 from kvlab.models.config import ModelConfig
 from kvlab.models.context import AttentionContext
+from kvlab.models.parallel import SINGLE, ParallelContext, gather_logits, vocab_parallel_embedding, vocab_shard_size
 from kvlab.models.rope import RotaryEmbedding, rope_inv_freq  # noqa: F401  (rope_inv_freq: re-exported)
 
 
@@ -46,11 +47,13 @@ class RMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``; :meth:`fuse` merges gate and up into one product."""
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``; :meth:`fuse` merges gate and up into one product.
+    With ``tp`` of size N, its rank's ``I / N`` features; down's partial sums are all-reduced."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        self.tp = tp
+        h, i, bias = config.hidden_size, tp.divide(config.intermediate_size, "intermediate_size"), config.mlp_bias
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
@@ -62,8 +65,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return ops.linear(ops.silu_and_mul(ops.linear(x, *self.gate_up)), self.down_proj.weight, self.down_proj.bias)
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            out = ops.linear(ops.silu_and_mul(ops.linear(x, *self.gate_up)), self.down_proj.weight, self.down_proj.bias)
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -71,12 +76,12 @@ class DecoderLayer(nn.Module):
     stream. The stream travels beside the hidden states (``x, residual``) and each add happens
     inside the next norm (:class:`RMSNorm` with a residual)."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, layer_idx: int, rotary: RotaryEmbedding, tp: ParallelContext = SINGLE):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_idx, rotary)
+        self.self_attn = Attention(config, layer_idx, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, tp)
 
     def forward(self, x, residual, positions, ctx=None):
         if residual is None:
@@ -91,22 +96,26 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """The decoder stack without the output head (HF's ``model.`` prefix)."""
 
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, tp: ParallelContext = SINGLE):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_layers))
+        self.embed_tokens = nn.Embedding(vocab_shard_size(config.vocab_size, tp.size), config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama/Qwen2/Mistral decoder with an LM head (tied to the embeddings if configured)."""
+    """Llama/Qwen2/Mistral decoder with an LM head (tied to the embeddings if configured).
 
-    def __init__(self, config: ModelConfig):
+    ``tp``: this copy's rank of a tensor-parallel group (:mod:`kvlab.models.parallel`); every
+    layer then holds that rank's shard, and the forward makes the group's collectives."""
+
+    def __init__(self, config: ModelConfig, tp: ParallelContext = SINGLE):
         super().__init__()
         self.config = config
+        self.tp = tp
         self.rotary = RotaryEmbedding(config)
-        self.model = LlamaModel(config, self.rotary)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, self.rotary, tp)
+        self.lm_head = nn.Linear(config.hidden_size, vocab_shard_size(config.vocab_size, tp.size), bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -134,7 +143,7 @@ class LlamaForCausalLM(nn.Module):
             if top >= self.rotary.max_positions:
                 raise ValueError(f"position {top} is beyond max_position_embeddings "
                                  f"({self.rotary.max_positions})")
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = vocab_parallel_embedding(input_ids, self.model.embed_tokens, self.tp), None
         try:
             for layer in self.model.layers:
                 x, residual = layer(x, residual, positions, ctx)
@@ -153,7 +162,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., hidden] -> [..., vocab]``."""
-        return ops.lm_head(hidden, self.lm_head.weight)
+        return gather_logits(ops.lm_head(hidden, self.lm_head.weight), self.config.vocab_size, self.tp)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

@@ -22,6 +22,7 @@ import torch
 
 from kvlab.models.config import ModelConfig
 from kvlab.models.llama import LlamaForCausalLM
+from kvlab.models.parallel import SINGLE, ParallelContext, shard_weight
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -75,13 +76,14 @@ def load_tokenizer(path, required: bool = True):
     return Tokenizer.from_file(str(file))
 
 
-def load_model(path, dtype=None, device="cpu", *, require_tokenizer: bool = True):
+def load_model(path, dtype=None, device="cpu", *, require_tokenizer: bool = True, tp: ParallelContext = SINGLE):
     """Load a HF-format checkpoint folder: returns ``(model, tokenizer, config)``.
 
     ``dtype``: float32, bfloat16 or float16. ``None`` takes the checkpoint's own dtype on a
     GPU and float32 on the CPU (where bf16/fp16 arithmetic is slow or emulated). The model
     is returned in eval mode. ``tokenizer`` is None only when ``require_tokenizer=False``
-    and the folder has no ``tokenizer.json``.
+    and the folder has no ``tokenizer.json``. With ``tp`` (a rank of a tensor-parallel group)
+    each weight is cut to that rank's shard as it is read (:mod:`kvlab.models.parallel`).
     """
     path = _folder(path)
     config = load_config(path)
@@ -97,13 +99,14 @@ def load_model(path, dtype=None, device="cpu", *, require_tokenizer: bool = True
     tokenizer = load_tokenizer(path, required=require_tokenizer)
 
     with _skip_init():
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     expected = dict(model.state_dict())
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
     state = {}
     for name, tensor in _read_weights(path):
         if name in expected:
+            tensor = shard_weight(name, tensor, tp)
             want = tuple(expected[name].shape)
             if tuple(tensor.shape) != want:
                 raise CheckpointError(f"weight {name!r} has shape {list(tensor.shape)}, the config "
