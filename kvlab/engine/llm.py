@@ -40,7 +40,7 @@ from kvlab.engine.config import EngineConfig
 from kvlab.engine.detokenizer import detokenize
 from kvlab.engine.inputs import params_per_prompt, prompt_item, prompt_items
 from kvlab.engine.model_runner import ModelRunner, block_bytes
-from kvlab.engine.offload import HostBlockAllocator, default_costs
+from kvlab.engine.offload import HostBlockAllocator, HostPrefixCache, default_costs
 from kvlab.engine.outputs import CompletionOutput, RequestOutput
 from kvlab.engine.rejection_sampler import rejection_sample
 from kvlab.engine.sampler import sample
@@ -163,14 +163,19 @@ class LLM:
                                    **self._host_tier(c))
 
     def _host_tier(self, c: EngineConfig) -> dict:
-        """The scheduler's settings for swapping (chapter 9): none without ``swap_space``."""
+        """The scheduler's settings for the host tier (chapter 9): none without ``swap_space``.
+        With prefix caching, the host blocks are shared out: the first half for swapped-out
+        sequences, the rest for evicted prefix-cache blocks."""
         host = self.model_runner.host_cache
         if host is None:
             return {}
         bytes_per_token = host.bytes_per_block // c.block_size
-        return dict(host_blocks=HostBlockAllocator(host.storage.shape[0]), preemption_mode=c.preemption_mode,
+        num_host = host.storage.shape[0]
+        num_swap = num_host // 2 if isinstance(self.pool, BlockPool) and self.pool.enable_prefix_caching else num_host
+        prefix = HostPrefixCache(range(num_swap, num_host)) if num_swap < num_host else None
+        return dict(host_blocks=HostBlockAllocator(num_swap), preemption_mode=c.preemption_mode,
                     preemption_costs=default_costs(self.config, self.model_runner.device),
-                    bytes_per_token=bytes_per_token)
+                    bytes_per_token=bytes_per_token, host_prefix_cache=prefix)
 
     def _load_draft(self, spec, config: EngineConfig, device):
         """The draft model of ``speculative_config``, checked against the target."""

@@ -16,9 +16,23 @@ blocks of every layer go through one device staging buffer and one contiguous ho
 transfer, never one small copy per block and layer. On a GPU the copies run on a side
 stream: the forward waits only for the blocks to be gathered (a device-speed copy), while the
 slow device-to-host transfer overlaps with it.
+
+**The prefix cache's host tier.** With prefix caching, a block evicted from the device cache
+(:meth:`~kvlab.paging.BlockPool._take_free_block`) need not be lost: :class:`HostPrefixCache`
+keeps its K/V in a host block under its hash, least recently used first, bounded by the host
+blocks it owns (its own share of the host storage, never the swapped-out sequences'). The copy
+is a swap-out of the very step that evicts the block: the runner copies a step's swap-outs
+before anything of the step writes the cache. When a prompt's chain of cached hashes leaves
+the device cache but goes on in the host tier, :meth:`~kvlab.paging.BlockPool.allocate` takes
+device blocks for those hashes, registers them, and records swap-ins (host, device): the
+prompt's cache hit goes on through them. A hash names the whole prefix (the chained tokens
+and the salt), so the K/V brought back is exactly what a prefill would compute. A host block
+read by a step's swap-in is reused only from the next step on, so no swap-out of that step
+(they run first) overwrites it.
 """
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 import torch
@@ -142,6 +156,91 @@ class HostBlockAllocator:
             else:
                 merged[s] = self.runs[s]
         self.runs = merged
+
+
+class HostPrefixCache:
+    """The prefix cache's host tier: evicted blocks' K/V by hash, in the host blocks it owns.
+
+    The device pool calls :meth:`save` for each cached block it evicts, :meth:`take` and
+    :meth:`restore` for the blocks it brings back; the scheduler turns the step's :meth:`take_transfers` into
+    swap-outs and swap-ins. When every host block is taken, saving drops the least recently
+    used entry and reuses its block.
+
+    >>> tier = HostPrefixCache([6, 7])
+    >>> tier.save(3, b"a"); tier.save(4, b"b"); tier.save(5, b"c")   # "a" is dropped for "c"
+    >>> tier.lookup(b"a"), tier.lookup(b"c")
+    (None, 6)
+    >>> tier.restore(tier.take([b"b"]), [0]); tier.take_transfers()
+    ([(3, 6), (4, 7), (5, 6)], [(7, 0)])
+    """
+
+    def __init__(self, host_blocks):
+        self.host_blocks = list(host_blocks)                   # the host block ids it owns
+        self.free: deque[int] = deque(self.host_blocks)
+        self.entries: OrderedDict[bytes, int] = OrderedDict()  # hash -> host block, least recent first
+        self.saves: list[tuple[int, int]] = []                 # this step's (device, host) copies out
+        self.loads: list[tuple[int, int]] = []                 # this step's (host, device) copies in
+        self.reading: list[int] = []                           # host blocks this step's loads read
+        self.num_saved = 0
+        self.num_restored = 0
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        """The host block holding ``block_hash``'s K/V, or None; changes nothing."""
+        return self.entries.get(block_hash)
+
+    def save(self, device_block: int, block_hash: bytes) -> None:
+        """The device pool evicts ``device_block``, cached under ``block_hash``: keep a copy."""
+        if block_hash in self.entries:          # already here: it is just used again
+            self.entries.move_to_end(block_hash)
+            return
+        if self.free:
+            host = self.free.popleft()
+        elif self.entries:
+            _, host = self.entries.popitem(last=False)
+        else:
+            return                              # a tier without host blocks keeps nothing
+        self.entries[block_hash] = host
+        self.saves.append((device_block, host))
+        self.num_saved += 1
+
+    def take(self, block_hashes) -> list[int]:
+        """The host blocks of ``block_hashes``, to be copied back to the device: the entries
+        leave the tier (the device cache holds them now); the blocks stay reserved until the
+        next step, when the copies have read them."""
+        host_blocks = [self.entries.pop(h) for h in block_hashes]
+        self.reading += host_blocks
+        return host_blocks
+
+    def restore(self, host_blocks, device_blocks) -> None:
+        """Record the copies of ``host_blocks`` (from :meth:`take`) into ``device_blocks``."""
+        self.loads += zip(host_blocks, device_blocks)
+        self.num_restored += len(host_blocks)
+
+    def take_transfers(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's copies, ``(saves, loads)``, recorded since the last call."""
+        transfers = (self.saves, self.loads)
+        self.saves, self.loads = [], []
+        return transfers
+
+    def next_step(self) -> None:
+        """The previous step's copies have run: the host blocks it read are free again."""
+        self.free.extend(self.reading)
+        self.reading = []
+
+    def discard(self, host_blocks) -> None:
+        """Forget the entries in ``host_blocks`` (their copies may not have happened)."""
+        gone = set(host_blocks)
+        for h, host in list(self.entries.items()):
+            if host in gone:
+                del self.entries[h]
+                self.free.append(host)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        self.discard(list(self.entries.values()))
 
 
 class HostKVCache:

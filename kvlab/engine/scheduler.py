@@ -24,6 +24,16 @@ prefix cache are reused, not copied). ``preemption_mode`` "auto" picks swap or r
 sequence with the cost model of :mod:`kvlab.engine.offload`; the output says which
 (``swapped_out`` among ``preempted``).
 
+**The prefix cache's host tier** (chapter 9, ``host_prefix_cache``: a
+:class:`~kvlab.engine.offload.HostPrefixCache` with its own host blocks, attached to the pool):
+a cached block the pool evicts while a step is planned is copied to the host by that step's
+swap-outs (``prefix_blocks_saved``), which run before anything of the step writes the cache;
+a waiting prompt's cache hit goes on through the hashes the tier holds, brought back into
+blocks the prompt holds at once by the step's swap-ins (``prefix_blocks_restored``), so that
+nothing of the same step can evict them before the copy. The host blocks those swap-ins read
+are reused only from the next step on. Blocks booked for draft tokens (after the step's copies
+have been handed out) are not saved: what they evict is lost, as without the tier.
+
 With ``enable_chunked_prefill=False`` a prompt is computed whole in one step, so a prompt
 longer than the budget can never run. Prompts and decodes share one step, packed together.
 
@@ -105,6 +115,10 @@ class SchedulerOutput:
     swapped_in: list[Sequence] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)   # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)    # (host block, device block)
+    # the prefix cache's host tier: evicted cached blocks copied out, and hits brought back
+    # (also among blocks_to_swap_out / blocks_to_swap_in)
+    prefix_blocks_saved: list[tuple[int, int]] = field(default_factory=list)     # (device block, host block)
+    prefix_blocks_restored: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
 
     def slot_mapping(self) -> list[int]:
         """The cache slot of every new token of the step, in packed order."""
@@ -155,7 +169,8 @@ class Scheduler:
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
                  max_num_partial_prefills: int = 1, scheduling_policy: str = "fcfs",
                  prefill_priority_after: float | None = None, clock=time.monotonic, host_blocks=None,
-                 preemption_mode: str = "auto", preemption_costs=None, bytes_per_token: int = 0):
+                 preemption_mode: str = "auto", preemption_costs=None, bytes_per_token: int = 0,
+                 host_prefix_cache=None):
         check_count("max_num_seqs", max_num_seqs, minimum=1)
         check_count("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
         if max_num_batched_tokens < max_num_seqs:
@@ -190,6 +205,9 @@ class Scheduler:
         self.bytes_per_token = bytes_per_token
         self.swapped: deque[Sequence] = deque()     # swapped out, oldest first
         self._host_to_free: list[int] = []          # host blocks read by the latest step's swap-ins
+        self.host_prefix_cache = host_prefix_cache  # evicted prefix-cache blocks on the host, or None
+        if host_prefix_cache is not None:
+            pool.attach_host_tier(host_prefix_cache)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order, oldest first
         # counters, for tests and notebooks
@@ -197,6 +215,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out = 0
         self.num_copied_blocks = 0
+        self.num_host_prefix_saved = 0          # blocks copied to the prefix cache's host tier
+        self.num_host_prefix_hits = 0           # blocks of cache hits brought back from it
         self.peak_used_blocks = 0
         self._unrecorded: SchedulerOutput | None = None   # a step not yet passed to update()
 
@@ -220,6 +240,8 @@ class Scheduler:
         if self._host_to_free:          # the previous step has read them (copies run in order)
             self.host_blocks.free(self._host_to_free)
             self._host_to_free = []
+        if self.host_prefix_cache is not None:
+            self.host_prefix_cache.next_step()
         budget = self.max_num_batched_tokens
         if self._overdue():          # the fairness rule: overdue prompts before the decodes
             budget = self._schedule_running(out, budget, prefills_only=True)
@@ -231,6 +253,12 @@ class Scheduler:
         if not out.preempted and not self.swapped:      # the swapped are older than any new request
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.pool.take_copies()
+        if self.host_prefix_cache is not None:
+            out.prefix_blocks_saved, out.prefix_blocks_restored = self.host_prefix_cache.take_transfers()
+            out.blocks_to_swap_out += out.prefix_blocks_saved
+            out.blocks_to_swap_in += out.prefix_blocks_restored
+            self.num_host_prefix_saved += len(out.prefix_blocks_saved)
+            self.num_host_prefix_hits += len(out.prefix_blocks_restored)
         for item in out.scheduled:
             item.block_table = self.pool.block_table(item.seq.seq_id)
         self.num_steps += 1
@@ -327,8 +355,10 @@ class Scheduler:
             width = 1 + len(seq.forks)     # its samples all run from the next step on
             if num_seqs + width > self.max_num_seqs:
                 break
-            hits = self.pool.computed_blocks(seq.token_ids, seq.cache_salt)   # on the whole prompt
-            cached = len(hits) * self.pool.block_size
+            if self.host_prefix_cache is None:      # the hit, on the whole prompt
+                cached = len(self.pool.computed_blocks(seq.token_ids, seq.cache_salt)) * self.pool.block_size
+            else:                                   # through both tiers
+                cached = self.pool.num_cached_blocks(seq.token_ids, seq.cache_salt) * self.pool.block_size
             num_new = self._chunk(seq.num_tokens - cached, budget)
             finishes = cached + num_new == seq.num_tokens
             if num_new == 0 or (not finishes and partial >= self.max_num_partial_prefills):
@@ -413,6 +443,9 @@ class Scheduler:
         if n == 0 or not self.pool.can_append(item.seq.seq_id, n):
             return False
         self.pool.append(item.seq.seq_id, n, [max(t, 0) for t in draft_token_ids], cache=False)
+        if self.host_prefix_cache is not None:   # the step's copies are handed out: too late to save
+            saved, _ = self.host_prefix_cache.take_transfers()
+            self.host_prefix_cache.discard([host for _, host in saved])
         item.spec_token_ids = [int(t) for t in draft_token_ids]
         item.num_new += n
         item.block_table = self.pool.block_table(item.seq.seq_id)
@@ -526,7 +559,8 @@ class Scheduler:
         the samples that were to fork off them) with ``error``, freeing their blocks. None of
         those blocks was registered in the prefix cache (see ``cache_blocks`` in update), so no
         later prompt can hit K/V that was never computed. The sequences the step swapped out
-        or in end too: their copies may not have happened. Returns the ended sequences."""
+        or in end too: their copies may not have happened, and so do the prefix cache's blocks
+        the step was to copy to or from the host. Returns the ended sequences."""
         if out is not self._unrecorded and out.scheduled:
             raise ValueError("abandon() takes the output of the latest schedule(), once")
         self._unrecorded = None
@@ -536,6 +570,9 @@ class Scheduler:
             item.seq.forks = []
         for seq in ended:
             self.finish_sequence(seq, "error", error=error)
+        if self.host_prefix_cache is not None:  # the tiers' copies may not have happened either
+            self.pool.forget([device for _, device in out.prefix_blocks_restored])
+            self.host_prefix_cache.discard([host for _, host in out.prefix_blocks_saved])
         return ended
 
     def _fork(self, item: ScheduledSequence) -> None:

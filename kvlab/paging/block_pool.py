@@ -19,6 +19,12 @@ Sharing (chapters 3 and 4) adds three things:
   cached blocks that starts its prompt; freed cached blocks stay reusable until evicted,
   least recently freed first (a sequence's tail before its head).
 
+A **host tier** (chapter 9, :meth:`BlockPool.attach_host_tier`) keeps what eviction drops: each
+evicted cached block is reported to it (``save(block, hash)``) before the block is reused, and
+a prompt's cache hit goes on through the hashes the tier holds: :meth:`BlockPool.allocate`
+takes device blocks for them, registers them, and has the tier record the copies back
+(``take(hashes)``, ``restore(host_blocks, device_blocks)``). Without a tier nothing changes.
+
 Every method checks its arguments and the free count *before* changing anything: an error
 leaves the pool exactly as it was.
 """
@@ -79,6 +85,7 @@ class BlockPool:
         self.seq_salts: dict[object, object] = {}
         self.seq_hashes: dict[object, list[bytes]] = {}           # hashes of its full blocks
         self.num_cached_tokens: dict[object, int] = {}            # prompt tokens found in the cache
+        self.host_tier = None              # where evicted cached blocks go (chapter 9), if anywhere
 
     # -- queries ------------------------------------------------------------------------
     @property
@@ -121,6 +128,15 @@ class BlockPool:
         reusable = (num_tokens - 1) // self.block_size
         return self._cached_prefix(hash_blocks(token_ids[:reusable * self.block_size], self.block_size, salt))
 
+    def num_cached_blocks(self, token_ids, salt=None) -> int:
+        """Blocks of the cache hit :meth:`allocate` would find for prompt ``token_ids``: those of
+        :meth:`computed_blocks`, and with a host tier the chain goes on through the hashes the
+        tier holds (capped the same way). Changes nothing."""
+        num_tokens = len(token_ids)
+        if not self.enable_prefix_caching or num_tokens == 0:
+            return 0
+        return len(self._prefix_chain(token_ids[:(num_tokens - 1) // self.block_size * self.block_size], salt))
+
     def slot_mapping(self, seq_id, start: int, num_tokens: int) -> list[int]:
         """Physical slots to *write* positions ``start .. start + num_tokens - 1`` of ``seq_id``.
 
@@ -151,7 +167,8 @@ class BlockPool:
         With prefix caching, ``token_ids`` (the prompt) are required: the longest run of
         cached full blocks that starts the prompt is reused, at most ``num_tokens - 1``
         tokens' worth, so the last prompt token is always computed (its logits are needed).
-        ``num_cached_tokens[seq_id]`` says how many tokens were found. Its own full blocks are
+        ``num_cached_tokens[seq_id]`` says how many tokens were found (with a host tier, blocks
+        brought back from the host count: :meth:`num_cached_blocks`). Its own full blocks are
         registered in the cache at once, or with ``cache=False`` only when :meth:`cache_blocks`
         says their K/V has been computed (the engine's way: a failed step leaves no block behind
         that a later prompt would "hit" before its K/V exists).
@@ -161,17 +178,24 @@ class BlockPool:
         check_count("num_tokens", num_tokens)
         check_salt(salt)
         self._check_capacity(seq_id, num_tokens)
-        hits = []
+        hits, chain = [], []
         if self.enable_prefix_caching:
             self._check_token_ids(token_ids, num_tokens)
-            hits = self.computed_blocks(token_ids, salt)     # the one lookup, also the scheduler's
+            if self.host_tier is None:
+                hits = self.computed_blocks(token_ids, salt)     # the one lookup, also the scheduler's
+            else:      # the hit through both tiers: (device block, or None if on the host; hash)
+                chain = self._prefix_chain(token_ids[:(num_tokens - 1) // self.block_size * self.block_size], salt)
+                hits = [b for b, _ in chain if b is not None]
         needed = blocks_needed(num_tokens, self.block_size) - len(hits)
         available = self.num_free_blocks - sum(1 for b in hits if b in self.evictable)
         if needed > available:
             raise OutOfBlocksError(f"sequence {seq_id!r} needs {needed} more blocks, {available} are free")
         for block in hits:
             self._hold(block)
-        self.block_tables[seq_id] = hits + [self._take_free_block() for _ in range(needed)]
+        if chain:
+            hits = self._bring_back(chain)          # held too: new blocks for the host's hashes
+        self.block_tables[seq_id] = hits + [self._take_free_block()
+                                            for _ in range(blocks_needed(num_tokens, self.block_size) - len(hits))]
         self.seq_lens[seq_id] = num_tokens
         if self.enable_prefix_caching:
             self.seq_tokens[seq_id] = [int(t) for t in token_ids]
@@ -282,10 +306,34 @@ class BlockPool:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def attach_host_tier(self, tier) -> None:
+        """Keep evicted cached blocks in ``tier`` (a :class:`~kvlab.engine.offload.HostPrefixCache`)
+        and bring them back on a hit (see the module docstring). Only on an empty pool with
+        prefix caching."""
+        if not self.enable_prefix_caching:
+            raise ValueError("a host tier keeps prefix-cache blocks: it needs enable_prefix_caching=True")
+        if self.block_tables or self.cached_blocks:
+            raise ValueError("attach the host tier before the pool is used")
+        self.host_tier = tier
+
+    def forget(self, blocks) -> None:
+        """Drop ``blocks`` from the prefix cache: their K/V is not what their hash promises (a
+        step that was to copy it failed). Unheld ones become plain free blocks."""
+        for block in blocks:
+            if self.block_hashes[block] is None:
+                continue
+            self._uncache(block)
+            if block in self.evictable:
+                del self.evictable[block]
+                self.free_blocks.append(block)
+
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached hash. Only possible when no block is in use: returns success."""
+        """Forget every cached hash (the host tier's too). Only possible when no block is in use:
+        returns success."""
         if any(self.ref_counts):
             return False
+        if self.host_tier is not None:
+            self.host_tier.clear()
         self.cached_blocks.clear()
         self.block_hashes = [None] * self.num_blocks
         self.free_blocks.extend(self.evictable)
@@ -330,6 +378,8 @@ class BlockPool:
             block = self.free_blocks.popleft()
         elif self.evictable:
             block, _ = self.evictable.popitem(last=False)
+            if self.host_tier is not None:      # its K/V goes to the host before the block is reused
+                self.host_tier.save(block, self.block_hashes[block])
             self._uncache(block)
         else:
             raise OutOfBlocksError("no free block (callers check the free count first)")
@@ -364,6 +414,26 @@ class BlockPool:
             if block is None:
                 break
             blocks.append(block)
+        return blocks
+
+    def _prefix_chain(self, token_ids, salt) -> list[tuple[int | None, bytes]]:
+        """``(device block, hash)`` for each full block of ``token_ids`` while its hash is cached on
+        the device or (block None) in the host tier."""
+        chain = []
+        for h in hash_blocks(token_ids, self.block_size, salt):
+            block = self.cached_blocks.get(h)
+            if block is None and (self.host_tier is None or self.host_tier.lookup(h) is None):
+                break
+            chain.append((block, h))
+        return chain
+
+    def _bring_back(self, chain: list[tuple[int | None, bytes]]) -> list[int]:
+        """Device blocks for a prefix chain whose device blocks are held: the host tier's hashes
+        get new blocks, and the tier records the copies into them. Their entries leave the tier
+        first, so that what taking the blocks evicts cannot push them out."""
+        host_blocks = self.host_tier.take([h for b, h in chain if b is None])
+        blocks = [self._take_free_block() if b is None else b for b, _ in chain]
+        self.host_tier.restore(host_blocks, [b for b, (old, _) in zip(blocks, chain) if old is None])
         return blocks
 
     def _register_full_blocks(self, seq_id, hashes: list[bytes] | None = None, upto: int | None = None) -> None:
