@@ -25,7 +25,8 @@ per ``head_dim`` values: 3% of an fp8 cache at ``head_dim`` 128.
 The cache: values ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the stored dtype and
 scales ``[num_blocks, block_size, num_kv_heads]`` float32 beside them, for K and for V
 (:func:`allocate_quantized_kv_cache`). ``kvlab.kernels.write_kv_quantized`` quantises as it
-scatters; ``paged_decode`` dequantises in registers.
+scatters; ``paged_decode`` and ``paged_prefill`` read the codes and scales and dequantise in
+registers (a key's scale on its column of scores, a value's on its column of probabilities).
 """
 from __future__ import annotations
 
