@@ -19,7 +19,6 @@ Writes ``offload.json``.
 """
 from __future__ import annotations
 
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import kvlab  # noqa: E402,F401
-from common import arguments, environment, print_table, save  # noqa: E402
+from common import arguments, bench_host_loop, environment, print_table, save  # noqa: E402
 from kvlab.engine.offload import (HostKVCache, PreemptionCosts, crossover_tokens, model_costs,  # noqa: E402
                                   recompute_seconds, swap_seconds)
 from kvlab.paging.kv_cache import allocate_kv_cache  # noqa: E402
@@ -42,23 +41,11 @@ SWAP_TOKENS = [512, 2048, 8192, 32768]
 PREFILL_TOKENS = [512, 2048, 8192, 16384]
 
 
-def timed(fn, repeat: int = 5) -> float:
-    """Median wall seconds of ``fn()`` with the device synchronised around it."""
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def pinned_rates(nbytes: int = 1 << 30) -> dict:
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    d2h = nbytes / timed(lambda: host.copy_(dev, non_blocking=True))
-    h2d = nbytes / timed(lambda: dev.copy_(host, non_blocking=True))
+    d2h = nbytes / bench_host_loop(lambda: host.copy_(dev, non_blocking=True))
+    h2d = nbytes / bench_host_loop(lambda: dev.copy_(host, non_blocking=True))
     return {"device_to_host_GBps": round(d2h / 1e9, 1), "host_to_device_GBps": round(h2d / 1e9, 1)}
 
 
@@ -74,8 +61,8 @@ def transfers(layers: int, pinned: dict) -> tuple[list[dict], HostKVCache]:
         back = torch.randperm(cache.num_blocks)[:n].tolist()
         run = list(range(n))
         want = [t[:, blocks].clone() for t in cache.block_tensors()]
-        out_s = timed(lambda: host.swap_out(blocks, run))
-        in_s = timed(lambda: host.swap_in(run, back))
+        out_s = bench_host_loop(lambda: host.swap_out(blocks, run))
+        in_s = bench_host_loop(lambda: host.swap_in(run, back))
         same = all(torch.equal(t[:, back], w) for t, w in zip(cache.block_tensors(), want))
         nbytes = n * host.bytes_per_block
         rows.append({"tokens": tokens, "MiB": nbytes >> 20, "out_ms": round(out_s * 1e3, 2), "in_ms": round(in_s * 1e3, 2),
@@ -90,12 +77,12 @@ def transfers(layers: int, pinned: dict) -> tuple[list[dict], HostKVCache]:
 def overlap(host: HostKVCache, tokens: int = 16384) -> dict:
     """A swap-out beside compute: how much of the transfer hides behind it."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    reps = max(1, round(0.030 / timed(lambda: a @ a)))
+    reps = max(1, round(0.030 / bench_host_loop(lambda: a @ a)))
     compute = lambda: [a @ a for _ in range(reps)]           # noqa: E731  (~30 ms)
     n = tokens // BLOCK
     blocks, run = torch.randperm(host.kv_cache.num_blocks)[:n].tolist(), list(range(n))
-    alone_compute = timed(compute, 3)
-    alone_swap = timed(lambda: host.swap_out(blocks, run), 3)
+    alone_compute = bench_host_loop(compute, 3)
+    alone_swap = bench_host_loop(lambda: host.swap_out(blocks, run), 3)
     torch.cuda.synchronize()
     main = torch.cuda.current_stream()
     t0 = main.record_event(torch.cuda.Event(enable_timing=True))
@@ -142,7 +129,8 @@ def recompute(layers: int) -> tuple[list[dict], object]:
         warm = llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False)
         if warm[0].error is not None:                  # a failed step ends a request fast: no timing
             raise RuntimeError(f"the {tokens}-token prefill failed: {warm[0].error}")
-        seconds = timed(lambda: llm.generate(prompt_token_ids=[ids], sampling_params=params, use_tqdm=False), 3)
+        seconds = bench_host_loop(lambda: llm.generate(prompt_token_ids=[ids], sampling_params=params,
+                                                       use_tqdm=False), 3)
         rows.append({"tokens": tokens, "prefill_ms": round(seconds * 1e3, 2),
                      "us_per_token": round(seconds / tokens * 1e6, 2)})
     del llm

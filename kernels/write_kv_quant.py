@@ -105,11 +105,18 @@ def write_kv_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
     """
     if validate:
         check_write_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    launch_write_kv_quantized(write_kv_quantized_kernel, key, value, k_cache, v_cache, k_scale, v_scale,
+                              slot_mapping)
+
+
+def launch_write_kv_quantized(kernel, key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
+    """Launch ``kernel`` (this module's, or one with its signature): one program per token, the
+    cache format's ``QMAX`` and ``FP8`` as constants. No checks."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     fmt = QUANTIZED_DTYPES[k_cache.dtype]
-    write_kv_quantized_kernel[(num_tokens,)](
+    kernel[(num_tokens,)](
         key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, key.stride(0), value.stride(0),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim), QMAX=fmt.max, FP8=fmt.dtype == torch.float8_e4m3fn)

@@ -33,6 +33,7 @@ read by a step's swap-in is reused only from the next step on, so no swap-out of
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -267,7 +268,7 @@ class HostKVCache:
         if not gpu_blocks:
             return
         start = _run_start(host_blocks)
-        with self._side() as current:         # what is allocated here belongs to the side stream
+        with _on_side_stream(self.stream) as current:         # what is allocated here belongs to the side stream
             ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=self.kv_cache.k.device)
             staging = self._gather(ids)
             if current is not None:
@@ -280,7 +281,7 @@ class HostKVCache:
             return
         start = _run_start(host_blocks)
         device = self.kv_cache.k.device
-        with self._side() as current:
+        with _on_side_stream(self.stream) as current:
             ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=device)
             staging = self.storage[start:start + len(host_blocks)].to(device, non_blocking=True)
             self._scatter(staging.view(self.unit), ids)
@@ -304,30 +305,18 @@ class HostKVCache:
             part[:, ids] = staging[:, offset:offset + layers * width].view(-1, layers, width).transpose(0, 1)
             offset += layers * width
 
-    def _side(self):
-        return _SideStream(self.stream)
 
-
-class _SideStream:
-    """``with`` block running on ``stream`` after everything queued on the current stream
-    (the K/V written by earlier steps); yields the current stream (None on a CPU)."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def __enter__(self):
-        if self.stream is None:
-            return None
-        self.current = torch.cuda.current_stream(self.stream.device)
-        self.stream.wait_stream(self.current)
-        self.context = torch.cuda.stream(self.stream)
-        self.context.__enter__()
-        return self.current
-
-    def __exit__(self, *exc):
-        if self.stream is not None:
-            self.context.__exit__(*exc)
-        return False
+@contextmanager
+def _on_side_stream(stream):
+    """Run the ``with`` block on ``stream`` after everything queued on the current stream (the
+    K/V written by earlier steps); yields the current stream (None on a CPU)."""
+    if stream is None:
+        yield None
+        return
+    current = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        yield current
 
 
 def _run_start(host_blocks: list[int]) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
 import torch
-import triton
 
+from kvlab.kernels.write_kv_quant import launch_write_kv_quantized
 from kvlab.quantization import QUANTIZED_DTYPES
 from kvlab.scaffold import check_pieces, is_written
 # The engine's cost record (kvlab/engine/offload.py): what preempting a sequence costs, either way.
@@ -29,14 +29,8 @@ def write_kv_quantized_with(write_kv_quantized_kernel):
     def write_kv_quantized(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping):
         """Launch the kernel: key/value ``[num_tokens, num_kv_heads, head_dim]`` (rows may be
         strided) into the fp8 or int8 caches and their float32 scales."""
-        num_tokens, num_kv_heads, head_dim = key.shape
-        if num_tokens == 0:
-            return
-        fmt = QUANTIZED_DTYPES[k_cache.dtype]
-        write_kv_quantized_kernel[(num_tokens,)](
-            key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, key.stride(0), value.stride(0),
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-            DIM_PAD=triton.next_power_of_2(head_dim), QMAX=fmt.max, FP8=fmt.dtype == torch.float8_e4m3fn)
+        launch_write_kv_quantized(write_kv_quantized_kernel, key, value, k_cache, v_cache, k_scale, v_scale,
+                                  slot_mapping)
 
     return write_kv_quantized
 
