@@ -34,7 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import kvlab  # noqa: E402,F401
-from common import arguments, bench, environment, print_table, save  # noqa: E402
+from common import arguments, bench, bench_rounds, environment, print_table, save  # noqa: E402
 from kvlab.kernels import flash_attention, paged_prefill  # noqa: E402
 
 HEADS, BLOCK_SIZE = 32, 16
@@ -156,8 +156,8 @@ def measure_extend(batch, prefix, new, dim) -> dict:
     row = {"batch": batch, "prefix": prefix, "new": new, "head_dim": dim,
            "err_paged": float((runs["kvlab_paged"]().float() - ref).abs().max()),
            "err_paged_new": float((runs["kvlab_paged_new"]().float() - ref).abs().max())}
-    for name, fn in runs.items():
-        row[name] = round(flops / bench(fn) / 1e12, 1)
+    for name, seconds in bench_rounds(runs).items():      # in turn, three times: drift hits all alike
+        row[name] = round(flops / seconds / 1e12, 1)
     row["paged_vs_contiguous"] = round(row["kvlab_paged"] / row["kvlab"], 3)
     row["paged_new_vs_contiguous"] = round(row["kvlab_paged_new"] / row["kvlab"], 3)
     row["engine_vs_contiguous"] = engine_ratio(row, total, new)

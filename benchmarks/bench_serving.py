@@ -10,9 +10,13 @@ Poisson request trace replayed in real time.
 * The trace (:func:`kvlab.workloads.serving.poisson_trace`): ``--requests`` Poisson arrivals,
   :class:`~kvlab.workloads.serving.LengthMix`'s defaults (chats of 50-1,000 prompt and 50-400
   output tokens, 10% prompts of 8K-16K tokens), seed ``--seed``; greedy, no early stop.
+  ``--output-lengths LO,HI`` redraws every answer in LO-HI; ``--long-answer-share S`` makes a
+  share S of the answers long (``--long-answer-lengths``, 1,024-2,048 tokens): the long tail
+  of answer lengths that a static batch waits on.
 * Its rate: ``--load`` times the continuous engine's capacity, measured first by serving
   ``--capacity-requests`` requests of the same mix that all arrive at once:
-  requests / time to serve them all.
+  requests / time to serve them all. Static batching's capacity on the same burst is measured
+  too (``static_capacity_req_s``): the two policies' throughput with the queue never empty.
 * The configurations (:func:`configs`): ``LLM`` settings each. "static" batches by admission
   (a batch of up to ``max_num_seqs`` requests runs to completion before the next starts).
   Settings the engine does not know yet are refused with a TypeError: that row is skipped,
@@ -207,6 +211,9 @@ def parse_args(argv=None):
     parser.add_argument("--long-share", type=float, default=None, help="share of long prompts (the mix's default)")
     parser.add_argument("--output-lengths", default=None,
                         help="LO,HI: every answer's length bounds, chats and long prompts (the mix's default)")
+    parser.add_argument("--long-answer-share", type=float, default=None,
+                        help="share of requests whose answer is long (the mix's default: 0)")
+    parser.add_argument("--long-answer-lengths", default=None, help="LO,HI: a long answer's length bounds (1024,2048)")
     parser.add_argument("--only", default=None, help="comma-separated config names to run (default: all)")
     parser.add_argument("--name", default="serving", help="the JSON's name: NAME.json")
     args = parser.parse_args(argv)
@@ -240,6 +247,11 @@ def main(argv=None) -> dict:
     if args.output_lengths is not None:
         lo, hi = (max(1, round(int(n) * args.scale)) for n in args.output_lengths.split(","))
         mix = replace(mix, short_output=(lo, hi), long_output=(lo, hi))
+    if args.long_answer_share is not None:
+        mix = replace(mix, long_answer_share=args.long_answer_share)
+    if args.long_answer_lengths is not None:
+        lo, hi = (max(1, round(int(n) * args.scale)) for n in args.long_answer_lengths.split(","))
+        mix = replace(mix, long_answer=(lo, hi))
     if mix.max_tokens > context:
         raise SystemExit(f"the mix reaches {mix.max_tokens} tokens, more than the model's context {context}")
     base = {"max_num_seqs": args.max_num_seqs, "max_model_len": context}
@@ -251,15 +263,20 @@ def main(argv=None) -> dict:
     continuous = next(c for c in runs if c["name"] == "continuous")["settings"]
     measure_capacity(model, tokenizer, base, continuous, burst(min(8, args.capacity_requests), args.seed + 2, mix))
     capacity = measure_capacity(model, tokenizer, base, continuous, burst(args.capacity_requests, args.seed + 1, mix))
+    # each policy's capacity on the same burst: throughput with the queue never empty
+    static = next((c for c in runs if c["name"] == "static"), None)
+    static_capacity = None if static is None else \
+        measure_capacity(model, tokenizer, base, static["settings"], burst(args.capacity_requests, args.seed + 1, mix))
     rate = args.load * capacity
     trace = poisson_trace(args.requests, rate, args.seed, mix)
-    print(f"capacity {capacity:.2f} requests/s; trace of {args.requests} requests at {rate:.2f}/s "
+    print(f"capacity {capacity:.2f} requests/s (static batching: {static_capacity}); trace of {args.requests} requests at {rate:.2f}/s "
           f"(load {args.load}), {sum(r.prompt_len > mix.short_prompt[1] for r in trace)} long prompts", flush=True)
     rows, results, replays = [], {}, {}
     payload = {"env": environment(args.tiny), "model": "tiny" if args.tiny else f"8B-shaped, {args.layers} layers",
                "context": context, "engine": base,
                "trace": {"requests": args.requests, "rate_req_s": rate, "load": args.load, "seed": args.seed,
                          "capacity_req_s": capacity, "capacity_requests": args.capacity_requests,
+                         "static_capacity_req_s": static_capacity,
                          "mix": asdict(mix)},
                "long_prefill_tokens": args.long_prefill, "rows": rows, "cost_model": None}
     for cfg in runs:

@@ -17,6 +17,17 @@ def bench(fn, warmup_ms: float = 50, rep_ms: float = 200) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median") / 1e3
 
 
+def bench_rounds(fns: dict, rounds: int = 3, **kwargs) -> dict:
+    """Median seconds of each of ``fns`` (name -> fn), timed in turn ``rounds`` times over: a
+    clock or temperature drift during the run then lands on every entry alike, not on whichever
+    ran last (ratios between kernels of the same run are what the benchmarks report)."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn, **kwargs))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
 def bench_host_loop(fn, repeat: int = 5) -> float:
     """Median seconds of a host-driven loop (many small launches), synchronising around it."""
     times = []

@@ -65,6 +65,20 @@ def test_mix_scaling_and_checks():
         poisson_trace(-1, 1.0)
 
 
+def test_long_answers_form_a_tail_and_leave_other_traces_alone():
+    plain = poisson_trace(300, 5.0, seed=4)
+    assert poisson_trace(300, 5.0, seed=4, mix=LengthMix(long_answer_share=0.0)) == plain
+    mix = LengthMix(short_output=(16, 256), long_answer_share=0.2)
+    trace = poisson_trace(300, 5.0, seed=4, mix=mix)
+    long = [r for r in trace if r.output_len >= 1024]
+    assert 0.12 < len(long) / len(trace) < 0.28 and all(r.output_len <= 2048 for r in long)
+    assert [r.prompt_len for r in trace] == [r.prompt_len for r in plain]     # prompts drawn as before
+    assert mix.max_tokens == 16384 + 2048 and mix.scaled(1 / 16).long_answer == (64, 128)
+    with pytest.raises(ValueError, match="long_answer_share"):
+        LengthMix(long_answer_share=-0.1)
+
+
+
 # -- metrics -----------------------------------------------------------------------------------------
 def record(decode, prefill, threshold=100):
     return StepRecord(0.0, 0.1, prefill, decode, 1, 0, 0, bool(decode and prefill > threshold))

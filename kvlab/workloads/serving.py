@@ -57,6 +57,10 @@ class LengthMix:
     (every doubling of length equally likely) between the inclusive bounds of its range.
     Defaults: chats of 50-1,000 prompt and 50-400 output tokens; 10% long prompts of 8K-16K
     tokens (a document to summarise, a long context) with 50-400 output tokens.
+
+    ``long_answer_share``: the share of requests (chats and long prompts alike) whose answer is
+    drawn from ``long_answer`` instead (an essay, a file of code): a long tail of answer
+    lengths, which is what a static batch waits on. 0 by default.
     """
 
     short_prompt: tuple[int, int] = (50, 1000)
@@ -64,14 +68,17 @@ class LengthMix:
     long_prompt: tuple[int, int] = (8192, 16384)
     long_output: tuple[int, int] = (50, 400)
     long_share: float = 0.10
+    long_answer: tuple[int, int] = (1024, 2048)
+    long_answer_share: float = 0.0
 
     def __post_init__(self):
-        for f in ("short_prompt", "short_output", "long_prompt", "long_output"):
+        for f in ("short_prompt", "short_output", "long_prompt", "long_output", "long_answer"):
             lo, hi = getattr(self, f)
             check_count(f"{f}[0]", lo, minimum=1)
             check_count(f"{f}[1]", hi, minimum=lo)
-        if not 0 <= self.long_share <= 1:
-            raise ValueError(f"long_share must be in [0, 1], got {self.long_share!r}")
+        for f in ("long_share", "long_answer_share"):
+            if not 0 <= getattr(self, f) <= 1:
+                raise ValueError(f"{f} must be in [0, 1], got {getattr(self, f)!r}")
 
     def scaled(self, scale: float) -> "LengthMix":
         """The same mix with every bound multiplied by ``scale`` (rounded, at least 1)."""
@@ -79,12 +86,15 @@ class LengthMix:
             return max(1, round(r[0] * scale)), max(1, round(r[1] * scale))
 
         return replace(self, short_prompt=s(self.short_prompt), short_output=s(self.short_output),
-                       long_prompt=s(self.long_prompt), long_output=s(self.long_output))
+                       long_prompt=s(self.long_prompt), long_output=s(self.long_output),
+                       long_answer=s(self.long_answer))
 
     @property
     def max_tokens(self) -> int:
         """The longest prompt + output the mix can draw."""
-        return max(self.short_prompt[1] + self.short_output[1], self.long_prompt[1] + self.long_output[1])
+        answer = self.long_answer[1] if self.long_answer_share > 0 else 0
+        return max(self.short_prompt[1] + max(self.short_output[1], answer),
+                   self.long_prompt[1] + max(self.long_output[1], answer))
 
 
 def _log_uniform(rng: np.random.Generator, bounds: tuple[int, int], size: int) -> np.ndarray:
@@ -106,6 +116,9 @@ def poisson_trace(num_requests: int, rate: float, seed: int = 0, mix: LengthMix 
                        _log_uniform(rng, mix.short_prompt, num_requests))
     outputs = np.where(is_long, _log_uniform(rng, mix.long_output, num_requests),
                        _log_uniform(rng, mix.short_output, num_requests))
+    if mix.long_answer_share > 0:     # drawn only then: a mix without long answers keeps its old traces
+        long_answer = rng.random(num_requests) < mix.long_answer_share
+        outputs = np.where(long_answer, _log_uniform(rng, mix.long_answer, num_requests), outputs)
     return [ServingRequest(f"r{i}", float(a), int(p), int(o))
             for i, (a, p, o) in enumerate(zip(arrivals, prompts, outputs))]
 
