@@ -29,7 +29,7 @@ fi
 if want bench; then
   # the GPU benchmarks (bench_block_hash.py measures the CPU and runs elsewhere)
   for b in benchmarks/bench_write_kv.py benchmarks/bench_copy_blocks.py benchmarks/bench_paged_decode.py \
-           benchmarks/bench_flash_attention.py benchmarks/bench_engine.py; do
+           benchmarks/bench_flash_attention.py benchmarks/bench_matvec.py benchmarks/bench_engine.py; do
     python3 "$b" --out "$OUT/bench" 2>&1 | tee "$OUT/logs/$(basename "$b" .py).log"
   done
 fi

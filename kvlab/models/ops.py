@@ -11,6 +11,7 @@ op                          PyTorch (the reference; CPU, training)            fu
 :func:`rms_norm`            ``x + residual``, then RMSNorm                    ``rms_norm``
 :func:`silu_and_mul`        ``silu(gate) * up``                               ``silu_and_mul``
 :func:`rope_and_write_kv`   RoPE on q and k, then K/V into the paged cache    ``rotary_write_kv``
+:func:`linear` of one row   ``F.linear`` (cuBLAS on a GPU; oneDNN on the CPU)  ``matvec``
 ==========================  ================================================  =====================
 
 The kernels have no backward pass, so they run only where no gradient is wanted (the engine
@@ -117,9 +118,17 @@ def write_kv_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias``. On the CPU, in inference, through oneDNN with the weight
+    """``x @ weight.T + bias``. On a GPU, one half-precision row without bias goes to
+    :func:`kvlab.kernels.matvec`, the rest to cuBLAS. On the CPU, in inference, through oneDNN with the weight
     reordered once into its blocked layout: at a decode step's few rows its kernel reads the
     weight about 1.4-2x faster than MKL's (the CPU engine's step is mostly these products)."""
+    if use_kernels(x) and bias is None and x.numel() == x.shape[-1] and x.dtype != torch.float32 \
+            and weight.dtype == x.dtype and weight.is_contiguous():
+        # One row (a batch-1 decode step): the course's matrix-vector kernel reads the weight
+        # faster than cuBLAS's batch-1 kernels (kvlab.kernels.matvec).
+        from kvlab.kernels import matvec
+
+        return matvec(x.reshape(-1).contiguous(), weight, validate=False).view(*x.shape[:-1], weight.shape[0])
     if x.is_cuda or torch.is_grad_enabled() or x.dtype != torch.float32 \
             or not torch.backends.mkldnn.is_available() or x.numel() == 0:
         return nn.functional.linear(x, weight, bias)
