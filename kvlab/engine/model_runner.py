@@ -202,7 +202,9 @@ class ModelRunner:
             logits = graphs.run(ids, positions, slots, tables, seq_lens)
             return (logits if rows == list(range(len(ids))) else logits[rows]).float()
         hidden = self.forward(ids, positions, tables, starts, query_lens, slots)
-        return self.model.compute_logits(hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]).float()
+        if rows != list(range(len(ids))):
+            hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
+        return self.model.compute_logits(hidden).float()
 
     def _graphs_for(self, query_lens: list[int]) -> CudaGraphs | None:
         """The captured graphs that can replay a step of these query lengths, or None (eager)."""

@@ -77,10 +77,9 @@ class Attention(nn.Module):
         """``q [..., H, D]``, ``k``, ``v [..., KV, D]``: views into one output when fused."""
         lead = x.shape[:-1]
         if self.qkv is not None:
-            qkv = ops.linear(x, *self.qkv)
-            q, k, v = qkv.split([self.num_heads * self.head_dim, *[self.num_kv_heads * self.head_dim] * 2], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            heads = ops.linear(x, *self.qkv).view(*lead, -1, self.head_dim)
+            return heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=-2)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return (q.view(*lead, self.num_heads, self.head_dim), k.view(*lead, self.num_kv_heads, self.head_dim),
                 v.view(*lead, self.num_kv_heads, self.head_dim))
 
@@ -97,7 +96,7 @@ class Attention(nn.Module):
                                  f"got {list(x.shape)}")
             k_cache, v_cache, k_scale, v_scale = ctx.kv_cache.layer(self.layer_idx)
             q, k = ops.rope_and_write_kv(q, k, v, positions, self.rotary, k_cache, v_cache, ctx.slot_mapping,
-                                         k_scale, v_scale)
+                                         k_scale, v_scale, has_padding=ctx.has_padding)
             scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
             out = ctx.backend(q, k_cache, v_cache, self.sm_scale, ctx, k_new=k, v_new=v, **scales)
         out = ops.linear(out.reshape(*lead, self.num_heads * self.head_dim), self.o_proj.weight, self.o_proj.bias)

@@ -56,45 +56,45 @@ def reference_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, s
 def torch_backend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *, max_seq_len=None,
                   max_query_len=None, cu_query_lens=None, k_scale=None, v_scale=None):
     """Gather-then-attend for the whole batch at once (padded to the longest sequence). A
-    quantised cache is dequantised as it is gathered (only the blocks the batch reads)."""
+    quantised cache is dequantised as it is gathered (only the slots the batch reads)."""
     batch, num_heads, head_dim = seq_lens.shape[0], q.shape[1], q.shape[2]
-    plan = _batch_plan(block_tables, seq_lens, query_lens, k_cache.shape[1], q.shape[0], max_seq_len,
-                       max_query_len, cu_query_lens)
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    plan = _batch_plan(block_tables, seq_lens, query_lens, k_cache.shape[1], q.shape[0], max_seq_len,
+                       max_query_len, cu_query_lens, dtype)
     k, v = (_gather(cache, plan, batch, scale, dtype).transpose(1, 2)
             for cache, scale in ((k_cache, k_scale), (v_cache, v_scale)))
     if plan.rows is None:       # every sequence has max_query_len queries: the packed rows as they are
         qp = q.view(batch, -1, num_heads, head_dim)
     else:
         qp = q[plan.rows]
-    out = torch.nn.functional.scaled_dot_product_attention(qp.transpose(1, 2).to(dtype), k, v, attn_mask=plan.mask,
+    out = torch.nn.functional.scaled_dot_product_attention(_as(qp.transpose(1, 2), dtype), k, v, attn_mask=plan.mask,
                                                            scale=sm_scale, enable_gqa=True).transpose(1, 2)
     out = out.reshape(-1, num_heads, head_dim) if plan.rows is None else out[plan.real]
-    return out.to(q.dtype)                                                           # [num_tokens, H, D]
+    return _as(out, q.dtype)                                                          # [num_tokens, H, D]
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, without the call when ``x`` already has it (each call costs a few us)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _gather(cache, plan, batch: int, scale=None, dtype=torch.float32) -> torch.Tensor:
     """One layer's K (or V) of every sequence side by side, ``[batch, L, num_kv_heads, head_dim]``
-    in ``dtype``; with ``scale`` (a quantised cache) the gathered values are dequantised.
-
-    Slots past a sequence's end may hold anything, NaN included, and a masked key's zero weight
-    times a NaN value is still NaN: they are zeroed (in the gathered copy)."""
+    in ``dtype``; with ``scale`` (a quantised cache) the gathered values are dequantised."""
     if scale is None:
-        rows = cache.index_select(0, plan.pages).view(-1, *cache.shape[2:]).to(dtype)   # [B * L, KV, D]
+        rows = _as(cache.flatten(0, 1).index_select(0, plan.slots), dtype)               # [B * L, KV, D]
     else:       # float8 is gathered as bytes: not every device indexes float8 tensors
-        values = cache.view(torch.uint8).index_select(0, plan.pages).view(cache.dtype)
-        scales = scale.index_select(0, plan.pages)
-        rows = dequantize_kv(values, scales, dtype).view(-1, *cache.shape[2:])
-    return rows.index_fill_(0, plan.missing, 0.0).view(batch, -1, *cache.shape[2:])
+        values = cache.view(torch.uint8).flatten(0, 1).index_select(0, plan.slots).view(cache.dtype)
+        rows = dequantize_kv(values, scale.flatten(0, 1).index_select(0, plan.slots), dtype)
+    return rows.view(batch, -1, *cache.shape[2:])
 
 
 @dataclass(frozen=True)
 class BatchPlan:
     """Where a step's padded batch comes from: the same in every layer, so made once per step."""
 
-    pages: torch.Tensor          # [B * P] the blocks gathered, each sequence's first P, side by side
-    missing: torch.Tensor        # gathered slots past their sequence's end (flat indices)
-    mask: torch.Tensor           # [B, 1, Qmax, L] which keys each query sees
+    slots: torch.Tensor          # [B * L] the cache slot of each gathered key, each sequence's L side by side
+    mask: torch.Tensor           # [B, 1, Qmax, L] added to the scores: 0 where a query sees the key, else -inf
     rows: torch.Tensor | None    # [B, Qmax] packed row of each padded query; None: no padding
     real: torch.Tensor | None    # [B, Qmax] which padded queries are real
 
@@ -103,34 +103,40 @@ _last_plan: tuple = ((), None)     # (what it was made from, the plan)
 
 
 def _batch_plan(block_tables, seq_lens, query_lens, block_size, num_tokens, max_seq_len, max_query_len,
-                cu_query_lens) -> BatchPlan:
+                cu_query_lens, dtype=torch.float32) -> BatchPlan:
     """The indices and masks of a step's padded batch, the same in every layer: made once per step.
     Every layer of a step hands the same tensor objects (a context builds new ones per step and
     this backend is never replayed from a CUDA graph, so none is changed in place meanwhile)."""
     global _last_plan
     made_for, plan = _last_plan
-    if made_for and made_for[3] == num_tokens and all(a is b for a, b in zip(made_for, (block_tables, seq_lens,
-                                                                                      query_lens))):
+    if made_for and made_for[3:] == (num_tokens, dtype) and all(a is b for a, b in zip(made_for, (
+            block_tables, seq_lens, query_lens))):
         return plan
-    key = (block_tables, seq_lens, query_lens, num_tokens)
+    key = (block_tables, seq_lens, query_lens, num_tokens, dtype)
     batch = seq_lens.shape[0]
     max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     max_query_len = int(query_lens.max()) if max_query_len is None else max_query_len
     if cu_query_lens is None:
         cu_query_lens = torch.nn.functional.pad(query_lens.cumsum(0), (1, 0))
-    pages = block_tables[:, :-(-max_seq_len // block_size)].long()
+    pages = block_tables[:, :-(-max_seq_len // block_size)].long()                    # [B, P]
     i = torch.arange(max_query_len, device=seq_lens.device)
-    j = torch.arange(pages.shape[1] * block_size, device=seq_lens.device)
-    # Bottom-right causal: query i of b sees keys 0 .. seq_len - query_len + i.
-    last_key = (seq_lens - query_lens)[:, None] + i                                  # [B, Qmax]
-    mask = (j[None, None, :] <= last_key[:, :, None])[:, None]                       # [B, 1, Qmax, L]
+    j = torch.arange(pages.shape[1] * block_size, device=seq_lens.device)                # key index, [L]
+    slots = (pages[:, :, None] * block_size + torch.arange(block_size, device=pages.device)).flatten(1)  # [B, L]
+    # Slots past a sequence's end may hold anything, NaN included, and a masked key's zero weight
+    # times a NaN value is still NaN: they are read from the sequence's first slot instead (a real
+    # key and value, which the mask gives no weight).
+    slots = torch.where(j >= seq_lens.view(-1, 1), slots.narrow(1, 0, 1), slots)
+    # Bottom-right causal: query i of b sees keys 0 .. seq_len - query_len + i. The mask is
+    # additive, in the dtype of the scores (what SDPA would make of a bool mask on every call).
+    last_key = (seq_lens - query_lens).view(-1, 1) + i                                  # [B, Qmax]
+    sees = j <= last_key.view(batch, 1, max_query_len, 1)                               # [B, 1, Qmax, L]
+    mask = torch.full(sees.shape, float("-inf"), dtype=dtype, device=sees.device).masked_fill_(sees, 0.0)
     rows = real = None
     if num_tokens != batch * max_query_len:
         # Query i of sequence b is packed row cu[b] + i (rows past its query_len are padding).
         rows = (cu_query_lens[:-1, None] + i).clamp(max=num_tokens - 1)
         real = i < query_lens[:, None]
-    missing = (j[None, :] >= seq_lens[:, None]).flatten().nonzero().flatten()
-    plan = BatchPlan(pages.flatten(), missing, mask, rows, real)
+    plan = BatchPlan(slots.flatten(), mask, rows, real)
     _last_plan = (key, plan)
     return plan
 

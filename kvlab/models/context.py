@@ -51,6 +51,7 @@ class AttentionContext:
     ``max_seq_len``, ``max_query_len``, ``cu_query_lens``, ``num_splits``: what a kernel would
     otherwise compute from the lengths on every layer (by a read back to the host); known once
     per step, handed to the backends whose signature takes them.
+    ``has_padding``: whether ``slot_mapping`` holds -1 entries (None: not known; look).
     """
 
     kv_cache: object  # kvlab.paging.KVCache
@@ -64,6 +65,7 @@ class AttentionContext:
     max_query_len: int | None = None
     cu_query_lens: torch.Tensor | None = None
     num_splits: int | None = None
+    has_padding: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.backend, AttentionBackend):
@@ -121,4 +123,5 @@ def build_attention_context(kv_cache, block_tables: list[list[int]], starts: lis
         max_query_len=max(query_lens, default=0),
         cu_query_lens=ints([0, *itertools.accumulate(query_lens)]),
         num_splits=num_splits,
+        has_padding=min(slot_mapping, default=0) < 0,
     )

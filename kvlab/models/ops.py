@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvlab.models.rope import apply_rope
+from kvlab.models.rope import apply_rope, rotate_heads
 
 
 def use_kernels(x: torch.Tensor) -> bool:
@@ -49,11 +49,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if residual is not None:
         x = x + residual
         return rms_norm(x, weight, eps), x
-    if x.dtype == weight.dtype == torch.float32 and not torch.is_grad_enabled():
-        return nn.functional.rms_norm(x, weight.shape, weight, eps)     # the same arithmetic, one call
+    # Plain ops, not nn.functional.rms_norm: the same numbers, but on the CPU that one runs a
+    # dozen small ops inside, and in a decode step each op starts cold (a matrix product has
+    # just pushed everything else out of the caches). xf * xf is xf.pow(2), bit for bit.
     xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    xf = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
+    return weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -67,36 +68,47 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-def rope_and_write_kv(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+def rope_and_write_kv(q, k, v, positions, rotary, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None, *,
+                      has_padding: bool | None = None):
     """Rotate ``q`` and ``k`` by their tokens' positions, write ``k`` and ``v`` to the cache
     slots ``slot_mapping`` (-1: write nothing); returns the rotated ``(q, k)``. With
     ``k_scale``/``v_scale`` the cache is quantised: each (token, KV head) row is stored in the
-    cache's format and its scale beside it."""
-    if k_scale is not None:
-        cos, sin = rotary(positions)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        write_kv_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
-        return q, k
-    if use_kernels(q):
+    cache's format and its scale beside it. ``has_padding``: whether ``slot_mapping`` holds -1
+    entries, if the caller knows (the step's context does); None: the CPU write looks."""
+    if use_kernels(q) and k_scale is None:
         from kvlab.kernels import rotary_write_kv
 
         cos, sin = rotary.tables(q.device)
         rotary_write_kv(q, k, v, positions, cos, sin, k_cache, v_cache, slot_mapping, validate=False)
         return q, k          # rotated in place
-    cos, sin = rotary(positions)
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if k_cache.is_cuda:      # gradients wanted on a GPU: the plain write kernel
+    q, k = rope_qk(q, k, positions, rotary)
+    if k_scale is not None:
+        write_kv_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping)
+    elif k_cache.is_cuda:    # gradients wanted on a GPU: the plain write kernel
         from kvlab.kernels import write_kv
 
         write_kv(k, v.contiguous(), k_cache, v_cache, slot_mapping, validate=False)
     else:                    # the CPU: PyTorch, as write_kv would (slot -1: padding, not written)
         slots, k_rows, v_rows = slot_mapping, k, v
-        if len(slots) and int(slots.min()) < 0:
+        if has_padding is None:
+            has_padding = len(slots) > 0 and int(slots.min()) < 0
+        if has_padding:
             keep = slots >= 0     # the returned k keeps every row: attention still needs them
             slots, k_rows, v_rows = slots[keep], k[keep], v[keep]
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k_rows)
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v_rows)
     return q, k
+
+
+def rope_qk(q, k, positions, rotary):
+    """``q [T, H, D]`` and ``k [T, KV, D]`` rotated by :func:`~kvlab.models.rope.apply_rope`.
+    On the CPU in float32 (the CPU engine) the same numbers come from
+    :func:`~kvlab.models.rope.rotate_heads`, in fewer ops."""
+    if q.is_cuda or q.dtype != torch.float32 or k.dtype != torch.float32:
+        cos, sin = rotary(positions)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cos, signed_sin = rotary.rotation(positions)
+    return rotate_heads(q, cos, signed_sin), rotate_heads(k, cos, signed_sin)
 
 
 def write_kv_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
