@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvlab.kernels.checks import check_same_device
+from kvlab.kernels.checks import check_out_tensor
 
 
 @triton.jit
@@ -64,15 +64,4 @@ def check_silu_and_mul_args(x, out=None) -> None:
         raise ValueError(f"x must be [num_tokens, 2 * d] (gate | up), got shape {list(x.shape)}")
     if x.numel() and x.stride(1) != 1:
         raise ValueError(f"x must have contiguous rows (last stride 1), got strides {list(x.stride())}")
-    if out is None:
-        return
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
-    if out.dtype != x.dtype:
-        raise TypeError(f"out has dtype {out.dtype}, x has {x.dtype}")
-    want = [x.shape[0], x.shape[1] // 2]
-    if list(out.shape) != want:
-        raise ValueError(f"out must have shape {want}, got {list(out.shape)}")
-    if out.numel() and out.stride(1) != 1:
-        raise ValueError(f"out must have contiguous rows (last stride 1), got strides {list(out.stride())}")
-    check_same_device(x=x, out=out)
+    check_out_tensor(out, [x.shape[0], x.shape[1] // 2], x)

@@ -130,6 +130,22 @@ def _check_out(out, q):
     _check_rows_contiguous(out=out)
 
 
+def check_out_tensor(out, shape: list[int], x: torch.Tensor) -> None:
+    """An ``out`` argument: None, or a tensor of ``shape`` with ``x``'s dtype and device and
+    contiguous rows."""
+    if out is None:
+        return
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"out has dtype {out.dtype}, x has {x.dtype}")
+    if list(out.shape) != list(shape):
+        raise ValueError(f"out must have shape {list(shape)}, got {list(out.shape)}")
+    if out.numel() and out.stride(-1) != 1:
+        raise ValueError(f"out must have contiguous rows (last stride 1), got strides {list(out.stride())}")
+    check_same_device(x=x, out=out)
+
+
 def _check_int32_vector(name, t, length, what):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kvlab import profile
-from kvlab.kernels.checks import check_same_device
+from kvlab.kernels.checks import check_out_tensor, check_same_device
 
 
 @triton.jit
@@ -90,12 +90,4 @@ def check_matvec_args(x, weight, out=None) -> None:
         raise ValueError(f"weight [N, K] = {list(weight.shape)} needs x of K = {weight.shape[1]} elements, "
                          f"got {x.shape[0]}")
     check_same_device(x=x, weight=weight)
-    if out is None:
-        return
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
-    if out.dtype != x.dtype:
-        raise TypeError(f"out has dtype {out.dtype}, x has {x.dtype}")
-    if list(out.shape) != [weight.shape[0]] or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{weight.shape[0]}] tensor, got shape {list(out.shape)}")
-    check_same_device(x=x, out=out)
+    check_out_tensor(out, [weight.shape[0]], x)

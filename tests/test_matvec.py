@@ -72,7 +72,7 @@ def test_config_tiles_are_powers_of_two():
     (lambda x, w: matvec(x, w.t().contiguous().t()), ValueError, "weight must be contiguous"),
     (lambda x, w: matvec(x, w.half()), TypeError, "weight has dtype"),
     (lambda x, w: matvec(x[:-1], w), ValueError, "needs x of K = 6"),
-    (lambda x, w: matvec(x, w, out=torch.empty(4, dtype=x.dtype, device=x.device)), ValueError, "out must be"),
+    (lambda x, w: matvec(x, w, out=torch.empty(4, dtype=x.dtype, device=x.device)), ValueError, "out must have shape"),
     (lambda x, w: matvec(x, w, out=torch.empty(5, dtype=torch.float16, device=x.device)), TypeError, "out has dtype"),
 ])
 def test_bad_arguments_are_refused(call, error, match):
