@@ -48,13 +48,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         return out.view(shape), residual.view(shape)
     if residual is not None:
         x = x + residual
-        return rms_norm(x, weight, eps), x
     # Plain ops, not nn.functional.rms_norm: the same numbers, but on the CPU that one runs a
     # dozen small ops inside, and in a decode step each op starts cold (a matrix product has
     # just pushed everything else out of the caches). xf * xf is xf.pow(2), bit for bit.
     xf = x.float()
     xf = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps)
-    return weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
+    out = weight * (xf if x.dtype == torch.float32 else xf.to(x.dtype))
+    return out if residual is None else (out, x)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
