@@ -196,13 +196,14 @@ class ModelRunner:
     def run(self, ids, positions, tables, starts, query_lens, slots, rows) -> torch.Tensor:
         """One forward of a step given as host lists; the float32 logits of the packed token
         rows ``rows``. Replays a CUDA graph when one fits, else runs eagerly."""
+        every_row = rows == list(range(len(ids)))      # a decode step: no rows to pick
         graphs = self._graphs_for(query_lens)
         if graphs is not None:
             seq_lens = [start + q for start, q in zip(starts, query_lens)]
             logits = graphs.run(ids, positions, slots, tables, seq_lens)
-            return (logits if rows == list(range(len(ids))) else logits[rows]).float()
+            return (logits if every_row else logits[rows]).float()
         hidden = self.forward(ids, positions, tables, starts, query_lens, slots)
-        if rows != list(range(len(ids))):
+        if not every_row:
             hidden = hidden[torch.tensor(rows, dtype=torch.long, device=self.device)]
         return self.model.compute_logits(hidden).float()
 
