@@ -31,6 +31,7 @@ from kvlab.kernels.checks import (
     check_kv_scales,
     check_length_hint,
     check_same_device,
+    remembered,
 )
 
 
@@ -72,6 +73,7 @@ def paged_decode_check_kernel(stats_ptr, seq_lens_ptr, block_tables_ptr, batch, 
     tl.store(row + 3, entry_hi)
 
 
+@remembered
 def check_paged_decode_args(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, out=None, *,
                             sm_scale=None, max_seq_len: int | None = None, k_scale=None, v_scale=None) -> int:
     """Raise TypeError/ValueError naming the first argument of paged_decode that breaks a rule.
@@ -187,6 +189,7 @@ def paged_prefill_check_kernel(stats_ptr, seq_lens_ptr, query_lens_ptr, block_ta
     tl.store(row + 8, tl.max(cu_wrong, axis=0))
 
 
+@remembered
 def check_paged_prefill_args(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, out,
                              k_new=None, v_new=None, *, max_query_len: int | None = None,
                              cu_query_lens: torch.Tensor | None = None, k_scale=None,
@@ -322,6 +325,7 @@ def _check_cu_seqlens(name, cu, first, last, step_lo, total):
         raise ValueError(f"{name}[-1] = {last} must equal the number of packed tokens, {total}")
 
 
+@remembered
 def check_flash_attention_args(q, k, v, causal, sm_scale, cu_seqlens_q, cu_seqlens_k, out, *,
                                max_seqlen_q: int | None = None) -> int | None:
     """Raise TypeError/ValueError naming the first argument of flash_attention that breaks a rule.

@@ -22,12 +22,14 @@ in the message. (On an H200 machine, a check kernel's launch plus the read cost 
 host time as three or four small PyTorch ops; the same rules written as PyTorch ops take six
 to ten of them, plus the read. ``benchmarks/bench_default_calls.py`` measures what is left.)
 
-A launcher called again on the same, unchanged tensors (a timing loop) does not wait for that
-read again: ``read_check`` remembers the numbers by the tensors' identity and PyTorch's count
-of their in-place writes, and the rules are applied to them afresh (:func:`forget_checks`).
+A launcher called again on the same, unchanged arguments (a timing loop) is not checked again:
+each ``check_*_args`` is :func:`remembered`, by its arguments' identity and PyTorch's count of
+their in-place writes. Otherwise the metadata checks alone cost more host time than a small
+kernel, and the read makes the host wait for the GPU at every call.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import weakref
@@ -180,6 +182,64 @@ def grid_length(lengths: torch.Tensor, hint: int | None, name: str, check: bool)
     return longest if hint is None else hint
 
 
+# -- checks passed, remembered ---------------------------------------------------------------------
+MEMO_SIZE = 64
+_PASSED: dict = {}        # key of a call whose checks passed -> (weak references to its tensors, result)
+
+
+def remembered(check):
+    """Wrap a launcher's ``check`` so that a call with the same arguments as one that passed
+    returns that call's result at once: no metadata checks, no check kernel, no read.
+
+    "The same" means the same tensor objects (held by weak references, so a new tensor at a
+    reused address never matches), with the same shape, strides and *version*: PyTorch counts
+    every in-place write to a tensor or to a view of it (``t[i] = x``, ``copy_``, ``out=``), so
+    a changed argument is checked again; plain arguments must be equal. A call that fails is
+    never remembered. Not remembered: calls with tensors that keep no version (made under
+    ``torch.inference_mode``). Not noticed: a write PyTorch does not see (by a kernel of one's
+    own, or through ``.data`` or NumPy's view of a CPU tensor); after one, :func:`forget_checks`.
+    """
+    @functools.wraps(check)
+    def checked(*args, **kwargs):
+        tensors = []
+        key = _key(check, args, kwargs, tensors)
+        if key is not None:
+            hit = _PASSED.get(key)
+            if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
+                return hit[1]
+        result = check(*args, **kwargs)
+        if key is not None:
+            if len(_PASSED) >= MEMO_SIZE:
+                del _PASSED[next(iter(_PASSED))]      # the oldest
+            _PASSED[key] = (tuple(weakref.ref(t) for t in tensors), result)
+        return result
+
+    return checked
+
+
+def _key(check, args, kwargs, tensors: list):
+    """A hashable image of a call (None: not to be remembered); the call's tensors go to ``tensors``."""
+    def part(a):
+        if isinstance(a, torch.Tensor):
+            tensors.append(a)
+            return (id(a), a._version, a.data_ptr(), a.shape, a.stride())
+        if isinstance(a, (list, tuple)):
+            return (type(a), tuple(part(x) for x in a))
+        return a
+
+    try:
+        key = (check, tuple(part(a) for a in args), tuple((k, part(v)) for k, v in sorted(kwargs.items())))
+        hash(key)
+    except (RuntimeError, TypeError):    # an inference tensor keeps no version; an unhashable argument
+        return None
+    return key
+
+
+def forget_checks() -> None:
+    """Forget every call that passed: each launcher checks its next call in full."""
+    _PASSED.clear()
+
+
 # -- values: one check kernel, one read ----------------------------------------------------------
 def read_check(kernel, reduce, programs: int, *args, **constexprs) -> list[int]:
     """Launch a check kernel with ``programs`` programs and read its results back: the call's one
@@ -188,63 +248,13 @@ def read_check(kernel, reduce, programs: int, *args, **constexprs) -> list[int]:
     Program ``p`` writes row ``p`` of a ``[programs, len(reduce)]`` int64 tensor, one number per
     statistic over its share of the data; ``reduce[i]`` (``min``, ``max`` or ``sum``) merges
     column ``i`` on the host. The first of ``args`` is a tensor on the device the kernel runs on.
-
-    The merged numbers are remembered (see :func:`_memo_key`): the same call on the same,
-    unchanged tensors returns them without a launch or a read. The rules that compare them
-    with the cache's size run at every call.
     """
-    key = _memo_key(kernel, programs, args, constexprs)
-    if key is not None and key in _MEMO:
-        refs, merged = _MEMO[key]
-        if all(ref() is t for ref, t in zip(refs, _tensors(args))):
-            return list(merged)
     stats = torch.empty(programs, len(reduce), dtype=torch.int64, device=args[0].device)
     kernel[(programs,)](stats, *args, **constexprs)
     rows = stats.tolist()                 # waits for the GPU: the one read
-    merged = rows[0] if programs == 1 else [op(column) for op, column in zip(reduce, zip(*rows))]
-    if key is not None:
-        if len(_MEMO) >= MEMO_SIZE:
-            del _MEMO[next(iter(_MEMO))]  # the oldest entry
-        _MEMO[key] = (tuple(weakref.ref(t) for t in _tensors(args)), tuple(merged))
-    return merged
-
-
-# What the check kernels found, by the call that asked. A launcher called again and again on the
-# same inputs (a timing loop, say) would otherwise wait for the GPU at every call just to learn
-# the same numbers, and on a fast kernel that wait costs more than the kernel.
-MEMO_SIZE = 64
-_MEMO: dict = {}
-
-
-def _memo_key(kernel, programs, args, constexprs):
-    """What a check's result depends on: the kernel, its grid, its plain arguments, and for each
-    tensor the object itself (its ``id``, held by a weak reference so that a new tensor at a
-    reused address never matches) with its address, shape, strides, dtype and *version*: PyTorch
-    counts every in-place write to a tensor or to a view of it (``t[i] = x``, ``copy_``, ``out=``),
-    so a changed tensor is checked again. None (never remembered): a tensor without a version
-    (made under ``torch.inference_mode``). A write that PyTorch does not see (by a kernel of one's
-    own, or through ``.data`` or NumPy's view of a CPU tensor) is not noticed: after one, call
-    :func:`forget_checks`."""
-    parts = [kernel, programs, tuple(sorted(constexprs.items()))]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            try:
-                version = a._version
-            except RuntimeError:          # an inference tensor keeps no version
-                return None
-            parts.append((id(a), a.data_ptr(), version, tuple(a.shape), a.stride(), a.dtype, a.device))
-        else:
-            parts.append(a)
-    return tuple(parts)
-
-
-def _tensors(args) -> list[torch.Tensor]:
-    return [a for a in args if isinstance(a, torch.Tensor)]
-
-
-def forget_checks() -> None:
-    """Forget every remembered check: the next call of each launcher checks its values again."""
-    _MEMO.clear()
+    if programs == 1:
+        return rows[0]
+    return [op(column) for op, column in zip(reduce, zip(*rows))]
 
 
 def _programs(items: int, per_program: int) -> int:
@@ -334,6 +344,7 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
     return True
 
 
+@remembered
 def check_write_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Raise TypeError/ValueError naming the first argument of write_kv (or write_kv_quantized,
     with the scales) that breaks a rule."""
@@ -396,6 +407,7 @@ def copy_blocks_check_kernel(stats_ptr, pairs_ptr, num_pairs):
     tl.store(row + 3, dst_is_src)
 
 
+@remembered
 def check_copy_blocks_args(caches, block_mapping) -> None:
     """Raise TypeError/ValueError naming the first argument of copy_blocks that breaks a rule."""
     if not isinstance(caches, (list, tuple)) or not caches:

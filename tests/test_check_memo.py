@@ -1,6 +1,6 @@
-"""The launchers' remembered value checks (kvlab.kernels.checks.read_check): a call again on the
-same, unchanged tensors skips the check kernel and its read; any change PyTorch sees is checked
-again, and a bad value is still refused."""
+"""The launchers' remembered checks (kvlab.kernels.checks.remembered): a call again on the same,
+unchanged tensors skips the checks, their kernel and its read; any change PyTorch sees is
+checked again, and a bad value is still refused."""
 import pytest
 import torch
 
@@ -70,14 +70,18 @@ def test_an_in_place_write_is_checked_again(decode_checks, write):
     assert decode_checks.launches == 2
 
 
-def test_a_smaller_cache_is_judged_afresh(decode_checks):
-    """The remembered numbers are the data's; the rules that compare them run at every call."""
+def test_other_arguments_are_checked_afresh(decode_checks):
+    """A smaller cache (a new tensor) and a new hint are a new call."""
     q, k_cache, v_cache, tables, seq_lens = decode_args()
     paged_decode(q, k_cache, v_cache, tables, seq_lens)
     highest = int(tables.max())
     with pytest.raises(ValueError, match="out of range"):
         paged_decode(q, k_cache[:highest], v_cache[:highest], tables, seq_lens)
-    assert decode_checks.launches == 1
+    with pytest.raises(ValueError, match="max_seq_len = 3 is shorter"):
+        paged_decode(q, k_cache, v_cache, tables, seq_lens, max_seq_len=3)
+    with pytest.raises(ValueError, match="max_seq_len = 3 is shorter"):   # a failed call is never remembered
+        paged_decode(q, k_cache, v_cache, tables, seq_lens, max_seq_len=3)
+    assert decode_checks.launches == 4
 
 
 def test_new_tensors_are_checked_even_with_the_same_values(decode_checks):
@@ -123,4 +127,23 @@ def test_write_kv_and_copy_blocks_check_a_changed_mapping_again():
     pairs[1, 1] = 1                         # two copies into block 1
     with pytest.raises(ValueError, match="into one dst block twice"):
         copy_blocks([k_cache, v_cache], pairs)
+    checks.forget_checks()
+
+
+def test_a_prefill_call_again_reuses_its_running_sum(monkeypatch):
+    """paged_prefill without cu_query_lens: the check kernel writes the running sum the first
+    time; a call again on the same tensors reuses it, and the output is the same."""
+    from kvlab.kernels import paged_prefill
+    checks.forget_checks()
+    counting = Counting(attention_checks.paged_prefill_check_kernel)
+    monkeypatch.setattr(attention_checks, "paged_prefill_check_kernel", counting)
+    _, k_cache, v_cache, tables, seq_lens = decode_args(lens=(20, 35))
+    query_lens = torch.tensor([4, 9], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(13, 4, 32, device=DEVICE)
+    first = paged_prefill(q, k_cache, v_cache, tables, seq_lens, query_lens)
+    second = paged_prefill(q, k_cache, v_cache, tables, seq_lens, query_lens)
+    assert torch.equal(first, second) and counting.launches == 1
+    query_lens[1] = 36                      # more new tokens than the sequence holds
+    with pytest.raises(ValueError, match=r"query_lens sum to 40|query_lens\[1\] = 36"):
+        paged_prefill(q, k_cache, v_cache, tables, seq_lens, query_lens)
     checks.forget_checks()
