@@ -192,9 +192,9 @@ def remembered(check):
     returns that call's result at once: no metadata checks, no check kernel, no read.
 
     "The same" means the same tensor objects (held by weak references, so a new tensor at a
-    reused address never matches), with the same shape, strides and *version*: PyTorch counts
-    every in-place write to a tensor or to a view of it (``t[i] = x``, ``copy_``, ``out=``), so
-    a changed argument is checked again; plain arguments must be equal. A call that fails is
+    reused address never matches) at the same *version*: PyTorch counts every in-place write to
+    a tensor or to a view of it (``t[i] = x``, ``copy_``, ``out=``, ``transpose_``), so a
+    changed argument is checked again; plain arguments must be equal. A call that fails is
     never remembered. Not remembered: calls with tensors that keep no version (made under
     ``torch.inference_mode``). Not noticed: a write PyTorch does not see (by a kernel of one's
     own, or through ``.data`` or NumPy's view of a CPU tensor); after one, :func:`forget_checks`.
@@ -218,17 +218,20 @@ def remembered(check):
 
 
 def _key(check, args, kwargs, tensors: list):
-    """A hashable image of a call (None: not to be remembered); the call's tensors go to ``tensors``."""
-    def part(a):
-        if isinstance(a, torch.Tensor):
-            tensors.append(a)
-            return (id(a), a._version, a.data_ptr(), a.shape, a.stride())
-        if isinstance(a, (list, tuple)):
-            return (type(a), tuple(part(x) for x in a))
-        return a
-
+    """A hashable image of a call (None: not to be remembered); the call's tensors go to ``tensors``.
+    A tensor is (id, version, address): every in-place change of its shape or strides bumps the
+    version too, and the address catches ``.data = other``."""
+    parts = [check, tuple(kwargs)]
     try:
-        key = (check, tuple(part(a) for a in args), tuple((k, part(v)) for k, v in sorted(kwargs.items())))
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor):
+                tensors.append(a)
+                parts.append((id(a), a._version, a.data_ptr()))
+            elif isinstance(a, (list, tuple)):
+                parts.append(_key(None, a, {}, tensors))
+            else:
+                parts.append(a)
+        key = tuple(parts)
         hash(key)
     except (RuntimeError, TypeError):    # an inference tensor keeps no version; an unhashable argument
         return None
