@@ -92,13 +92,14 @@ def time_hf(hf, prompts: torch.Tensor, new: int) -> float:
 
 def run_kvlab(model, prompts: list[list[int]], new: int, eager: bool = False) -> tuple[float, list[float]]:
     """Total seconds and the seconds of each decode-only step of one generate, stepped by hand."""
-    from kvlab.engine import LLM, SamplingParams
+    from kvlab.engine import LLM, RequestOutputKind, SamplingParams
 
     batch = len(prompts)
     blocks = batch * -(-(PROMPT + NEW) // 16) + batch
     llm = LLM(model, block_size=16, num_gpu_blocks=blocks, max_num_seqs=batch, max_num_batched_tokens=16384,
               enforce_eager=eager)
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    # only the finished outputs are kept (as generate does): no text decoded in between
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY)
     for ids in prompts:
         llm.add_request({"prompt_token_ids": ids}, params)
     decode_steps = []

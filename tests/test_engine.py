@@ -8,7 +8,7 @@ import torch
 
 import kvlab  # noqa: F401  (profile first)
 from helpers import tiny_tokenizer
-from kvlab.engine import LLM, CompletionOutput, RequestOutput, SamplingParams
+from kvlab.engine import LLM, CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 from kvlab.models import LlamaForCausalLM, ModelConfig, load_model, register_attention_backend, save_model
 from helpers import one_thread  # noqa: F401  (a fixture)
 
@@ -138,6 +138,25 @@ def test_progress_bar_and_step_api(checkpoint, capsys):
         llm.add_request([4], request_id="mine")
     while llm.has_unfinished_requests():
         llm.step()
+    assert_pool_empty(llm)
+
+
+def test_final_only_requests_report_once_and_the_same(checkpoint):
+    """output_kind=FINAL_ONLY (vLLM's): step() says nothing of the request until it finishes,
+    then gives what a CUMULATIVE twin ends with; DELTA is refused, naming the field."""
+    llm = LLM(checkpoint, block_size=BLOCK)
+    final = SamplingParams(temperature=0, max_tokens=5, stop=["zz"], output_kind=RequestOutputKind.FINAL_ONLY)
+    llm.add_request([3, 4, 5], final, request_id="final")
+    llm.add_request([3, 4, 5], SamplingParams(temperature=0, max_tokens=5, stop=["zz"]), request_id="each")
+    seen = []
+    while llm.has_unfinished_requests():
+        seen += llm.step()
+    assert [o.request_id for o in seen if o.request_id == "final"] == ["final"]
+    assert [o.finished for o in seen if o.request_id == "each"] == [False] * 4 + [True]
+    last = {o.request_id: o for o in seen}
+    assert last["final"].finished and last["final"].outputs[0] == last["each"].outputs[0]
+    with pytest.raises(ValueError, match="output_kind must be"):
+        llm.add_request([3], SamplingParams(output_kind=RequestOutputKind.DELTA))
     assert_pool_empty(llm)
 
 

@@ -20,10 +20,10 @@ front door).
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.llm import LLM, CompletionOutput, RequestOutput
 from kvlab.engine.rejection_sampler import rejection_sample
-from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvlab.engine.scheduler import Scheduler, SchedulerOutput
 from kvlab.engine.sequence import Sequence, SequenceStatus, SpecDecodeStats
 from kvlab.engine.spec_decode import SpeculativeConfig
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Scheduler", "SchedulerOutput",
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Scheduler", "SchedulerOutput",
            "Sequence", "SequenceStatus", "SpecDecodeStats", "SpeculativeConfig", "rejection_sample"]

@@ -44,7 +44,7 @@ from kvlab.engine.offload import HostBlockAllocator, HostPrefixCache, default_co
 from kvlab.engine.outputs import CompletionOutput, RequestOutput
 from kvlab.engine.rejection_sampler import rejection_sample
 from kvlab.engine.sampler import sample
-from kvlab.engine.sampling_params import SamplingParams
+from kvlab.engine.sampling_params import RequestOutputKind, SamplingParams
 from kvlab.engine.scheduler import Scheduler
 from kvlab.engine.sequence import Sequence, SpecDecodeStats
 from kvlab.engine.spec_decode import (DEFAULT_DRAFT_MODEL, DraftModelProposer, NgramProposer, propose_drafts,
@@ -239,7 +239,7 @@ class LLM:
         bar = _progress_bar(len(requests) - len(results), use_tqdm)
         mine = {r.request_id for r in requests}
         while len(results) < len(requests):
-            for output in self._step():
+            for output in self._step(final_only=mine):      # generate returns finished outputs only
                 if output.request_id not in mine:
                     self._held_outputs.append(output)      # another caller's: step() returns it
                 elif output.finished and output.request_id not in results:
@@ -281,11 +281,13 @@ class LLM:
     # -- one step of the engine --------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; returns the outputs of the requests it advanced
-        (and of those that finished while :meth:`generate` served other prompts)."""
+        (and of those that finished while :meth:`generate` served other prompts). A request
+        whose ``output_kind`` is ``RequestOutputKind.FINAL_ONLY`` has an output only once finished."""
         held, self._held_outputs = self._held_outputs, []
         return held + self._step()
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, final_only=frozenset()) -> list[RequestOutput]:
+        """One step; outputs as :meth:`step`'s, but none for the unfinished requests of ``final_only``."""
         if self._workers is not None:
             self._workers.check_alive()          # a dead tensor-parallel engine refuses every step
         out = self.scheduler.schedule()
@@ -314,8 +316,11 @@ class LLM:
         elif not ended and not out.swapped_in and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not run anything: no request fits (a bug)")
         self._forget_drafts([*ended, *out.preempted])
-        touched = dict.fromkeys(s.request_id for s in [*out.sample_seqs, *ended])
-        outputs = [self._output(self.requests[rid]) for rid in touched if rid in self.requests]
+        touched = [self.requests[rid] for rid in dict.fromkeys(s.request_id for s in [*out.sample_seqs, *ended])
+                   if rid in self.requests]
+        # An unfinished request that wants only its final output costs no decoding of text here.
+        outputs = [self._output(r) for r in touched
+                   if r.finished or (r.params.output_kind is not RequestOutputKind.FINAL_ONLY and r.request_id not in final_only)]
         for o in outputs:
             if o.finished:
                 del self.requests[o.request_id]

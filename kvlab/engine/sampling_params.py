@@ -12,14 +12,28 @@ means the same thing here and there::
     stop_token_ids  token ids that end the output (included in token_ids)
     n             independent samples of the same prompt (they share its KV blocks)
     ignore_eos    keep going past the model's end-of-sequence token
+    output_kind   what LLM.step reports of an unfinished request: CUMULATIVE (everything so
+                  far, every step) or FINAL_ONLY (nothing until it finishes; LLM.generate's way)
 
 Construction never raises: the engine calls :meth:`SamplingParams.validate` on each request,
 so that one bad request gets an error of its own while the rest of the batch still runs.
 """
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
+
+
+class RequestOutputKind(enum.Enum):
+    """vLLM's kinds of :meth:`LLM.step` output. ``CUMULATIVE``: each step that advances a request
+    returns its whole output so far (text decoded each time). ``FINAL_ONLY``: only its finished
+    output, so the steps in between spend no host time on it. (vLLM's ``DELTA``, only the new
+    tokens, is not offered.)"""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(value) -> bool:
@@ -43,6 +57,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     @property
     def stop_strings(self) -> list[str]:
@@ -62,6 +77,8 @@ class SamplingParams:
             rule()
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got {self.output_kind!r}")
         return self
 
     # -- the rules ------------------------------------------------------------------------
