@@ -14,7 +14,8 @@ loop waits for a read. ``default_us`` is that loop's time, the one the bound is 
 ``new_inputs_us`` forgets the checks before every call: a call on tensors never seen or
 changed since, which always reads (the metadata checks and the rules run in both).
 
-Times are medians of ``triton.testing.do_bench`` (CUDA events; ``common.bench``). A call that
+Times are medians of ``triton.testing.do_bench`` (CUDA events; ``common.bench``), the three
+calls timed in turn, five rounds (``common.bench_rounds``). A call that
 reads nothing back is enqueued while the GPU is still busy with do_bench's cache flush, so its
 time is mostly the GPU's; the default call waits for its read, so its time also holds the host
 work after the read. ``host_us`` gives the wall time per call of 200 calls in a row, what an
@@ -33,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import kvlab  # noqa: E402,F401
-from common import arguments, bench, environment, print_table, save  # noqa: E402
+from common import arguments, bench_rounds, environment, print_table, save  # noqa: E402
 from kvlab.kernels import copy_blocks, flash_attention, paged_decode, paged_prefill, write_kv  # noqa: E402
 from kvlab.kernels.checks import forget_checks  # noqa: E402
 
@@ -142,9 +143,10 @@ def main() -> None:
         default, engine = make()
         default(), engine()                              # compile, and check the defaults accept the inputs
         torch.cuda.synchronize()
-        default_us, engine_us = bench(default) * 1e6, bench(engine) * 1e6
         new_inputs = lambda: (forget_checks(), default())  # noqa: E731
-        new_us = bench(new_inputs) * 1e6
+        # in turn, 5 rounds, medians: the small calls are host-bound, and the host's pace drifts
+        times = bench_rounds({"engine": engine, "default": default, "new": new_inputs}, rounds=5)
+        engine_us, default_us, new_us = (times[k] * 1e6 for k in ("engine", "default", "new"))
         ratio, extra = default_us / engine_us, default_us - engine_us
         holds = ratio <= RATIO_BOUND if engine_us >= LONG_US else extra <= SLACK_US
         row = {"kernel": kernel, "shape": shape, "engine_us": round(engine_us, 1), "default_us": round(default_us, 1),
