@@ -14,9 +14,12 @@ Poisson request trace replayed in real time.
   share S of the answers long (``--long-answer-lengths``, 1,024-2,048 tokens): the long tail
   of answer lengths that a static batch waits on.
 * Its rate: ``--load`` times the continuous engine's capacity, measured first by serving
-  ``--capacity-requests`` requests of the same mix that all arrive at once:
-  requests / time to serve them all. Static batching's capacity on the same burst is measured
-  too (``static_capacity_req_s``): the two policies' throughput with the queue never empty.
+  ``--capacity-requests`` requests of the same mix (seed + 1) that all arrive at once:
+  requests / time to serve them all. ``--capacity-requests 0``: the burst is the trace's own
+  requests, so the load is relative to exactly this trace's work (a small trace's mix varies
+  with its seed, and a capacity measured on other requests of the mix can be far off). Static
+  batching's capacity on the same burst is measured too (``static_capacity_req_s``; not with
+  ``--no-static-capacity``): the two policies' throughput with the queue never empty.
 * The configurations (:func:`configs`): ``LLM`` settings each. "static" batches by admission
   (a batch of up to ``max_num_seqs`` requests runs to completion before the next starts).
   Settings the engine does not know yet are refused with a TypeError: that row is skipped,
@@ -198,7 +201,10 @@ def parse_args(argv=None):
     parser.add_argument("--tiny", action="store_true", help="the shipped tiny model, scaled-down trace (CPU)")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--requests", type=int, default=None, help="requests in the trace (300; --tiny: 16)")
-    parser.add_argument("--capacity-requests", type=int, default=None, help="burst measuring capacity (200; 16)")
+    parser.add_argument("--capacity-requests", type=int, default=None,
+                        help="burst measuring capacity (200; 16); 0: the trace's own requests")
+    parser.add_argument("--static-capacity", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure static batching's capacity on the burst (default: yes)")
     parser.add_argument("--load", type=float, default=0.9, help="arrival rate as a fraction of the capacity")
     parser.add_argument("--scale", type=float, default=None, help="lengths of the mix times this (1; --tiny: 1/16)")
     parser.add_argument("--max-num-seqs", type=int, default=None, help="(64; --tiny: 8)")
@@ -261,12 +267,14 @@ def main(argv=None) -> dict:
     if args.only:
         runs = [c for c in runs if c["name"] in args.only.split(",") or c["name"] == "continuous"]
     continuous = next(c for c in runs if c["name"] == "continuous")["settings"]
-    measure_capacity(model, tokenizer, base, continuous, burst(min(8, args.capacity_requests), args.seed + 2, mix))
-    capacity = measure_capacity(model, tokenizer, base, continuous, burst(args.capacity_requests, args.seed + 1, mix))
+    measure_capacity(model, tokenizer, base, continuous, burst(8, args.seed + 2, mix))     # a warm-up
+    bursting = burst(args.requests, args.seed, mix) if args.capacity_requests == 0 else \
+        burst(args.capacity_requests, args.seed + 1, mix)
+    capacity = measure_capacity(model, tokenizer, base, continuous, bursting)
     # each policy's capacity on the same burst: throughput with the queue never empty
     static = next((c for c in runs if c["name"] == "static"), None)
-    static_capacity = None if static is None else \
-        measure_capacity(model, tokenizer, base, static["settings"], burst(args.capacity_requests, args.seed + 1, mix))
+    static_capacity = None if static is None or not args.static_capacity else \
+        measure_capacity(model, tokenizer, base, static["settings"], bursting)
     rate = args.load * capacity
     trace = poisson_trace(args.requests, rate, args.seed, mix)
     print(f"capacity {capacity:.2f} requests/s (static batching: {static_capacity}); trace of {args.requests} requests at {rate:.2f}/s "

@@ -371,7 +371,7 @@ def experiment_trace(bench=None, *, num_requests: int = 300, load: float = 0.9, 
     With the GPU benchmark's result (``bench``, a :class:`~kvlab.benchmark_results.ServingBenchmark`
     with a trace): the GPU run's own trace (same requests, rate, seed and mix). Without one: as the
     benchmark makes it, with the capacity measured by :func:`replay_capacity` on a burst of
-    ``capacity_requests`` requests (seed + 1) and ``cost_model``.
+    ``capacity_requests`` requests (seed + 1; 0: the trace's own requests) and ``cost_model``.
     """
     if bench is not None and bench.trace is not None:
         t = bench.trace
@@ -380,8 +380,9 @@ def experiment_trace(bench=None, *, num_requests: int = 300, load: float = 0.9, 
         return trace, {"source": "the GPU run's trace", "requests": len(trace), "rate_req_s": float(t["rate_req_s"]),
                        "load": t.get("load"), "seed": int(t["seed"]), "capacity_req_s": t.get("capacity_req_s")}
     num_blocks = default_num_blocks() if num_blocks is None else num_blocks
-    capacity = replay_capacity(poisson_trace(capacity_requests, 1.0, seed + 1, mix), cost_model,
-                               num_blocks=num_blocks, max_num_seqs=max_num_seqs, context=context)
+    bursting = poisson_trace(num_requests, 1.0, seed, mix) if capacity_requests == 0 else \
+        poisson_trace(capacity_requests, 1.0, seed + 1, mix)
+    capacity = replay_capacity(bursting, cost_model, num_blocks=num_blocks, max_num_seqs=max_num_seqs, context=context)
     rate = load * capacity
     trace = poisson_trace(num_requests, rate, seed, mix)
     return trace, {"source": "made here (no GPU trace)", "requests": num_requests, "rate_req_s": rate, "load": load,
