@@ -1,0 +1,246 @@
+"""Why an fp8 KV cache does not make paged_decode twice as fast (H200): variants that leave one
+part of the quantised kernel's work out, and a sweep of its launch.
+
+    python benchmarks/probe_fp8_decode.py [--out DIR]           # the variants, 4 shapes
+    python benchmarks/probe_fp8_decode.py --sweep [--out DIR]   # splits x tile x warps x stages
+    ncu --clock-control none -k regex:"probe_kernel|decode_split" -c 4 \
+        python benchmarks/probe_fp8_decode.py --ncu               # one launch of 4 variants, for counters
+
+``probe_kernel`` is ``paged_decode``'s split kernel with switches: ``MODE`` 0 converts the e4m3
+codes to fp16 for the dots (what the engine's kernel does), 1 quantises q and the probabilities
+to e4m3 too and runs fp8 dots (no conversion of K/V; row scales keep the codes in range), 2 only
+loads the tiles and folds them into a checksum (no dots, no softmax: the loads' own pace);
+``SCALES=False`` leaves the scale loads out. Times are ``do_bench`` medians over the same
+shuffled pages, bf16's engine call first; errors against float32 attention on the dequantised
+cache. bf16, 32 query / 8 KV heads, head_dim 128, pages of 16 tokens.
+"""
+import argparse
+import itertools
+import json
+import math
+from pathlib import Path
+
+import torch
+
+import kvlab  # noqa: F401  (the profile first)
+import triton
+import triton.language as tl
+from triton.testing import do_bench
+from kvlab.kernels import paged_decode
+from kvlab.kernel_plan import choose_num_splits
+from kvlab.quantization import quantize_kv, dequantize_kv
+
+HEADS, KV_HEADS, DIM, BS = 32, 8, 128, 16
+
+
+@triton.jit
+def probe_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, lse_ptr, sm_scale,
+               stride_qt, stride_qh, stride_table, num_kv_heads, num_splits,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr, MODE: tl.constexpr, SCALES: tl.constexpr):
+    # MODE 0: fp16 dots (production); 1: fp8 dots (q and p in e4m3, row-scaled); 2: loads only
+    seq = tl.program_id(0); kv_head = tl.program_id(1); split = tl.program_id(2)
+    seq_len = tl.load(sl_ptr + seq)
+    tps = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tps
+    end = tl.minimum(start + tps, seq_len)
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+    head_mask = tl.arange(0, GROUP_PAD) < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_mask[:, None], other=0.0).to(tl.float32)
+    q_amax = tl.max(tl.abs(q), axis=1)
+    q_amax = tl.where(q_amax > 0, q_amax, 1.0)
+    if MODE == 1:
+        qd = (q * (448.0 / q_amax)[:, None]).to(tl.float8e4nv)
+        row_scale = q_amax / 448.0 * sm_scale
+    else:
+        qd = q.to(tl.float16)
+        row_scale = tl.full([GROUP_PAD], 1.0, tl.float32) * sm_scale
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    probe = tl.zeros([HEAD_DIM], tl.int32)
+    row_stride = num_kv_heads * HEAD_DIM
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        page = tl.load(bt_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        offs = slot[:, None] * row_stride + kv_head * HEAD_DIM + dims[None, :]
+        k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+        if SCALES:
+            k_scale = tl.load(ks_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
+            v_scale = tl.load(vs_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
+        else:
+            k_scale = tl.full([BLOCK_N], 0.01, tl.float32)
+            v_scale = tl.full([BLOCK_N], 0.01, tl.float32)
+        if MODE == 2:
+            probe = tl.maximum(probe, tl.max(k.to(tl.int8, bitcast=True).to(tl.int32), axis=0))
+            probe = tl.maximum(probe, tl.max(v.to(tl.int8, bitcast=True).to(tl.int32), axis=0))
+            probe += tl.sum(k_scale + v_scale).to(tl.int32)
+        else:
+            if MODE == 1:
+                s = tl.dot(qd, tl.trans(k))
+            else:
+                s = tl.dot(qd, tl.trans(k.to(tl.float16))).to(tl.float32)
+            s = s * row_scale[:, None] * k_scale[None, :]
+            s = tl.where(valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            w = p * v_scale[None, :]
+            if MODE == 1:
+                r = tl.max(w, axis=1)
+                r = tl.where(r > 0, r, 1.0)
+                pv = tl.dot((w * (448.0 / r)[:, None]).to(tl.float8e4nv), v) * (r / 448.0)[:, None]
+            else:
+                pv = tl.dot(w.to(tl.float16), v.to(tl.float16)).to(tl.float32)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+    if MODE == 2:
+        acc += probe[None, :].to(tl.float32)
+        l += 1.0
+    empty = l == 0.0
+    out = acc / tl.where(empty, 1.0, l)[:, None]
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
+    row = seq * num_kv_heads * GROUP + heads
+    tl.store(out_ptr + ((row * num_splits + split)[:, None]) * HEAD_DIM + dims[None, :], out, mask=head_mask[:, None])
+    tl.store(lse_ptr + row * num_splits + split, lse, mask=head_mask)
+
+
+@triton.jit
+def probe_merge_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    row = tl.program_id(0)
+    splits = tl.arange(0, SPLITS_PAD)
+    lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    weights = tl.exp(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
+    dims = tl.arange(0, HEAD_DIM)
+    partial = tl.load(partial_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
+                      mask=(splits < num_splits)[:, None], other=0.0)
+    total = tl.sum(weights, axis=0)
+    out = tl.sum(weights[:, None] * partial, axis=0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
+
+
+def run_probe(q, k8, v8, ks, vs, tables, seq_lens, splits, out, mode, scales=True, block_n=128, warps=4, stages=3):
+    batch = q.shape[0]
+    partial = torch.empty(batch, HEADS, splits, DIM, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, HEADS, splits, dtype=torch.float32, device=q.device)
+    probe_kernel[(batch, KV_HEADS, splits)](q, k8, v8, ks, vs, tables, seq_lens, partial, lse, 1 / math.sqrt(DIM),
+                                          q.stride(0), q.stride(1), tables.stride(0), KV_HEADS, splits,
+                                          GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=DIM, BLOCK_SIZE=BS,
+                                          BLOCK_N=block_n, MODE=mode, SCALES=scales, num_warps=warps, num_stages=stages)
+    probe_merge_kernel[(batch * HEADS,)](partial, lse, out, splits, HEAD_DIM=DIM, SPLITS_PAD=triton.next_power_of_2(splits))
+    return out
+
+
+def make(batch, seq_len):
+    blocks = seq_len // BS
+    nb = batch * blocks
+    k = torch.randn(nb, BS, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    tables = torch.randperm(nb, device="cuda").view(batch, blocks).to(torch.int32).contiguous()
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    return q, k, v, tables, seq_lens
+
+
+def ref_out(q, k, v, tables, seq_len):
+    batch, blocks = tables.shape
+    kk = k[tables.long()].view(batch, blocks * BS, KV_HEADS, DIM).transpose(1, 2).float()
+    vv = v[tables.long()].view(batch, blocks * BS, KV_HEADS, DIM).transpose(1, 2).float()
+    kk = kk.repeat_interleave(HEADS // KV_HEADS, 1); vv = vv.repeat_interleave(HEADS // KV_HEADS, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], kk, vv)[:, :, 0]
+
+
+def variants_table(ncu: bool) -> list[dict]:
+    shapes = [(32, 32768)] if ncu else [(32, 32768), (1, 131072), (8, 8192), (32, 4096)]
+    rows = []
+    for batch, seq_len in shapes:
+        q, k, v, tables, seq_lens = make(batch, seq_len)
+        (k8, ks), (v8, vs) = quantize_kv(k, "fp8"), quantize_kv(v, "fp8")
+        splits = choose_num_splits(batch, KV_HEADS, seq_len, 132)
+        out = torch.empty_like(q)
+        probe = lambda mode, **kw: (lambda: run_probe(q, k8, v8, ks, vs, tables, seq_lens, splits, out, mode, **kw))  # noqa: E731
+        variants = {
+            "bf16": lambda: paged_decode(q, k, v, tables, seq_lens, splits, validate=False, out=out),
+            "fp8": lambda: paged_decode(q, k8, v8, tables, seq_lens, splits, validate=False, out=out,
+                                        k_scale=ks, v_scale=vs),
+            "fp16_dots": probe(0), "fp16_dots_no_scales": probe(0, scales=False),
+            "loads_only": probe(2), "loads_only_no_scales": probe(2, scales=False),
+            "fp8_dots": probe(1), "fp8_dots_n256": probe(1, block_n=256), "fp8_dots_8_warps": probe(1, warps=8),
+        }
+        if ncu:
+            for name in ("bf16", "fp8", "fp8_dots", "loads_only"):
+                variants[name]()
+            torch.cuda.synchronize()
+            return []
+        want = ref_out(q, dequantize_kv(k8, ks, torch.float32), dequantize_kv(v8, vs, torch.float32), tables, seq_len) \
+            if batch * seq_len <= 32 * 8192 else None
+        row = {"shape": f"{batch}x{seq_len}", "splits": splits}
+        for name, fn in variants.items():
+            fn()
+            torch.cuda.synchronize()
+            if want is not None and "loads" not in name and "no_scales" not in name:
+                row[name + "_err"] = float(f"{((out.float() - want).norm() / want.norm()).item():.2e}")
+            row[name + "_us"] = round(do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3, 1)
+        for name in variants:
+            if name != "bf16":
+                row[name + "/bf16"] = round(row[name + "_us"] / row["bf16_us"], 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del q, k, v, k8, v8, ks, vs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def launch_sweep() -> list[dict]:
+    """fp8's engine call over split counts (1-8x bf16's) x block_n x warps x stages."""
+    shapes = [(32, 32768), (1, 131072), (8, 8192), (1, 32768), (32, 1024), (4, 32768), (16, 8192)]
+    rows = []
+    for batch, seq_len in shapes:
+        q, k, v, tables, seq_lens = make(batch, seq_len)
+        (k8, ks), (v8, vs) = quantize_kv(k, "fp8"), quantize_kv(v, "fp8")
+        out = torch.empty_like(q)
+        base = choose_num_splits(batch, KV_HEADS, seq_len, 132)
+        bf16 = do_bench(lambda: paged_decode(q, k, v, tables, seq_lens, base, validate=False, out=out),
+                        warmup=30, rep=200, return_mode="median")
+        found = []
+        for mult, bn, w, st in itertools.product((1, 2, 4, 8), (64, 128), (4, 8), (2, 3, 4)):
+            splits = min(128, base * mult)
+            if mult > 1 and splits == base:
+                continue
+            t = do_bench(lambda: paged_decode(q, k8, v8, tables, seq_lens, splits, validate=False, out=out,
+                                              k_scale=ks, v_scale=vs, block_n=bn, num_warps=w, num_stages=st),
+                         warmup=20, rep=80, return_mode="median")
+            found.append((t, splits, bn, w, st))
+        found.sort()
+        row = {"shape": f"{batch}x{seq_len}", "bf16_splits": base, "bf16_us": round(bf16 * 1e3, 1),
+               "best": [dict(us=round(t * 1e3, 1), ratio=round(t / bf16, 3), splits=s, block_n=bn, warps=w, stages=st)
+                        for t, s, bn, w, st in found[:5]]}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del q, k, v, k8, v8, ks, vs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="the launch sweep instead of the variants")
+    parser.add_argument("--ncu", action="store_true", help="one launch of four variants at 32 x 32K, for ncu")
+    parser.add_argument("--out", default=None, help="folder for probe_fp8_decode.json")
+    args = parser.parse_args()
+    rows = launch_sweep() if args.sweep else variants_table(args.ncu)
+    if args.out and rows:
+        path = Path(args.out) / ("probe_fp8_decode_sweep.json" if args.sweep else "probe_fp8_decode.json")
+        path.write_text(json.dumps(rows, indent=1))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
