@@ -1,5 +1,7 @@
-"""Why an fp8 KV cache does not make paged_decode twice as fast (H200): variants that leave one
-part of the quantised kernel's work out, and a sweep of its launch.
+"""Why an fp8 KV cache does not make paged_decode twice as fast on an H200.
+
+Variants of the quantised split kernel that leave one part of its work out, and a sweep of its
+launch:
 
     python benchmarks/probe_fp8_decode.py [--out DIR]           # the variants, 4 shapes
     python benchmarks/probe_fp8_decode.py --sweep [--out DIR]   # splits x tile x warps x stages
@@ -18,6 +20,7 @@ import argparse
 import itertools
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -30,7 +33,9 @@ from kvlab.kernels import paged_decode
 from kvlab.kernel_plan import choose_num_splits
 from kvlab.quantization import quantize_kv, dequantize_kv
 
-HEADS, KV_HEADS, DIM, BS = 32, 8, 128, 16
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_paged_decode import BLOCK_SIZE as BS, DIM, HEADS, KV_HEADS, contiguous_kv  # noqa: E402
+from bench_paged_decode import make_batch as make  # noqa: E402
 
 
 @triton.jit
@@ -138,22 +143,9 @@ def run_probe(q, k8, v8, ks, vs, tables, seq_lens, splits, out, mode, scales=Tru
     return out
 
 
-def make(batch, seq_len):
-    blocks = seq_len // BS
-    nb = batch * blocks
-    k = torch.randn(nb, BS, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    tables = torch.randperm(nb, device="cuda").view(batch, blocks).to(torch.int32).contiguous()
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
-    q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-    return q, k, v, tables, seq_lens
-
-
 def ref_out(q, k, v, tables, seq_len):
-    batch, blocks = tables.shape
-    kk = k[tables.long()].view(batch, blocks * BS, KV_HEADS, DIM).transpose(1, 2).float()
-    vv = v[tables.long()].view(batch, blocks * BS, KV_HEADS, DIM).transpose(1, 2).float()
-    kk = kk.repeat_interleave(HEADS // KV_HEADS, 1); vv = vv.repeat_interleave(HEADS // KV_HEADS, 1)
+    """float32 attention of one query token per sequence over its pages, in order."""
+    kk, vv = (t.float().repeat_interleave(HEADS // KV_HEADS, 1) for t in contiguous_kv(k, v, tables))
     return torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], kk, vv)[:, :, 0]
 
 
