@@ -4,6 +4,13 @@ Poisson request trace replayed in real time.
     python benchmarks/bench_serving.py [--out benchmarks/results] [--layers 32] [--requests 300] [--load 0.9]
     python benchmarks/bench_serving.py --tiny [--out DIR]    # the shipped tiny model, scaled down (CPU, < 1 min)
 
+Chapter 8's headline run (results/serving_mixed.json; ~8 minutes on an H200), a trace with both
+long prompts and long answers, at the capacity measured on its own requests:
+
+    python benchmarks/bench_serving.py --requests 200 --load 1.0 --long-share 0.3 --long-answer-share 0.1 \
+        --long-answer-lengths 1024,2048 --capacity-requests 0 --no-static-capacity --budgets 512 \
+        --only static,chunked-512 --name serving_mixed
+
 * The model: bench_engine.py's random Llama-3-8B shape in bf16, with ``max_position_embeddings``
   = 32,768 (Llama 3.1's context) so that 16K-token prompts fit. ``--tiny``: the shipped tiny
   model (``LLM()``'s, context 2,048) and every length of the mix scaled by ``--scale``.
