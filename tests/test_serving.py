@@ -305,6 +305,26 @@ def test_bench_serving_tiny_mode(tmp_path, one_thread):
     assert "skipped" in chunked or chunked["num_failed"] == 0
 
 
+def test_bench_serving_capacity_on_the_traces_own_requests(tmp_path, monkeypatch):
+    """--capacity-requests 0: the capacity burst is the trace's own requests; --no-static-capacity
+    measures static batching's no more. (Capacities and rows stubbed: no model runs here.)"""
+    bench = load_bench()
+    bursts = []
+    monkeypatch.setattr(bench, "measure_capacity", lambda model, tok, base, settings, requests:
+                        bursts.append((settings, requests)) or 2.0)
+    monkeypatch.setattr(bench, "run_config", lambda model, tok, base, cfg, trace, args:
+                        ({"name": cfg["name"], "skipped": "stubbed"}, None, None))
+    payload = bench.main(["--tiny", "--requests", "5", "--capacity-requests", "0", "--no-static-capacity",
+                          "--load", "0.5", "--out", str(tmp_path)])
+    mix = LengthMix(**{k: tuple(v) if isinstance(v, list) else v for k, v in payload["trace"]["mix"].items()})
+    warm_up, (settings, measured) = bursts
+    assert len(warm_up[1]) == 8 and settings == bench.configs(2048, [32])[1]["settings"]
+    own = poisson_trace(5, 1.0, 0, mix)
+    assert [(r.prompt_len, r.output_len, r.arrival_time) for r in measured] == \
+        [(r.prompt_len, r.output_len, 0.0) for r in own]
+    assert payload["trace"]["rate_req_s"] == 1.0 and payload["trace"]["static_capacity_req_s"] is None
+
+
 def test_bench_model_builder_on_the_cpu(one_thread):
     from kvlab import LLM
 

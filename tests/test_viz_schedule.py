@@ -242,6 +242,14 @@ def test_experiment_trace_from_the_benchmark_or_made_here():
     trace, info = experiment_trace(None, num_requests=10, mix=SMALL, cost_model=COST, capacity_requests=10,
                                    num_blocks=800, max_num_seqs=8, context=2048)
     assert len(trace) == 10 and info["rate_req_s"] == pytest.approx(0.9 * info["capacity_req_s"])
+    # capacity_requests=0: the capacity of a burst of the trace's own requests (seed 4), not seed 5's
+    trace, info = experiment_trace(None, num_requests=10, seed=4, mix=SMALL, cost_model=COST, capacity_requests=0,
+                                   num_blocks=800, max_num_seqs=8, context=2048)
+    own = replay_capacity(poisson_trace(10, 1.0, 4, SMALL), COST, num_blocks=800, max_num_seqs=8, context=2048)
+    other = replay_capacity(poisson_trace(10, 1.0, 5, SMALL), COST, num_blocks=800, max_num_seqs=8, context=2048)
+    assert info["capacity_req_s"] == pytest.approx(own) and own != pytest.approx(other)
+    assert [(r.prompt_len, r.output_len) for r in trace] == \
+        [(r.prompt_len, r.output_len) for r in poisson_trace(10, 1.0, 4, SMALL)]
 
 
 # -- words and pure figure data ------------------------------------------------------------------------
