@@ -8,9 +8,9 @@ back once (``kvlab.kernels.checks``). The engine's call (``validate=False``, wit
 engine passes) checks nothing and reads nothing. The bound the checks must keep: a default
 call at most 1.2x the engine's where that takes >= 100 us, else at most 20 us more.
 
-A timing loop calls a launcher again and again on the same tensors; the checks remember what
-their read found for unchanged tensors (``checks.read_check``), so only the first call of the
-loop waits for a read. ``default_us`` is that loop's time, the one the bound is for;
+A timing loop calls a launcher again and again on the same tensors; the checks remember the
+calls that passed, for unchanged tensors (``checks.remembered``), so only the first call of the
+loop is checked and waits for a read. ``default_us`` is that loop's time, the one the bound is for;
 ``new_inputs_us`` forgets the checks before every call: a call on tensors never seen or
 changed since, which always reads (the metadata checks and the rules run in both).
 

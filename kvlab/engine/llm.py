@@ -235,11 +235,12 @@ class LLM:
         results = {r.request_id: self._output(r) for r in requests if r.error}
         for r in requests:
             if not r.error:
+                r.params.output_kind = RequestOutputKind.FINAL_ONLY   # (r's own copy) generate returns finished outputs
                 self._enqueue(r)
         bar = _progress_bar(len(requests) - len(results), use_tqdm)
         mine = {r.request_id for r in requests}
         while len(results) < len(requests):
-            for output in self._step(final_only=mine):      # generate returns finished outputs only
+            for output in self._step():
                 if output.request_id not in mine:
                     self._held_outputs.append(output)      # another caller's: step() returns it
                 elif output.finished and output.request_id not in results:
@@ -286,8 +287,7 @@ class LLM:
         held, self._held_outputs = self._held_outputs, []
         return held + self._step()
 
-    def _step(self, final_only=frozenset()) -> list[RequestOutput]:
-        """One step; outputs as :meth:`step`'s, but none for the unfinished requests of ``final_only``."""
+    def _step(self) -> list[RequestOutput]:
         if self._workers is not None:
             self._workers.check_alive()          # a dead tensor-parallel engine refuses every step
         out = self.scheduler.schedule()
@@ -320,7 +320,7 @@ class LLM:
                    if rid in self.requests]
         # An unfinished request that wants only its final output costs no decoding of text here.
         outputs = [self._output(r) for r in touched
-                   if r.finished or (r.params.output_kind is not RequestOutputKind.FINAL_ONLY and r.request_id not in final_only)]
+                   if r.finished or r.params.output_kind is not RequestOutputKind.FINAL_ONLY]
         for o in outputs:
             if o.finished:
                 del self.requests[o.request_id]
