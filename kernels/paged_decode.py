@@ -101,7 +101,6 @@ def decode_split_kernel(
         slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         offs = slot[:, None] * row_stride + kv_head * HEAD_DIM + dims[None, :]
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
         if KV_QUANT:
             # Dequantise in registers, never in memory. The codes convert exactly to fp16 (e4m3
             # and int8 values are fp16 numbers); a key's scale multiplies its score column
@@ -110,7 +109,16 @@ def decode_split_kernel(
             k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
             k = k.to(QUANT_DOT)
-            v = v.to(QUANT_DOT)
+            # V is read whole (a key past the end reads page 0, a real slot) and its rows past
+            # the end are zeroed *after* the conversion. That order matters on a GPU: p @ v
+            # reduces over keys, so the MMA wants V's tile transposed, and with the conversion
+            # last Triton reads the 8-bit codes from shared memory one byte at a time (there is
+            # no 8-bit transposing ldmatrix on sm_90): the fp8 kernel ran no faster than bf16.
+            # Converted and masked first, the tile crosses shared memory as fp16 and
+            # ldmatrix.trans reads it, as in the bf16 kernel.
+            v = tl.where(valid[:, None], tl.load(v_cache_ptr + offs).to(QUANT_DOT), 0.0)
+        else:
+            v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale   # [GROUP_PAD, BLOCK_N]
         if KV_QUANT:

@@ -264,6 +264,18 @@ def quantized_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, 
     value = torch.randn(shape, generator=gen)
     caches = [t.to(DEVICE) for x in (key, value) for t in quantize_kv(x.to(dtype), kv_cache_dtype)]
     caches = caches[0], caches[2], caches[1], caches[3]     # k_cache, v_cache, k_scale, v_scale
+    # Every slot that holds no token of its sequence (the rest of a last page, spare blocks) is
+    # poisoned: NaN codes (fp8; int8 has none) and NaN scales, which no output may show. (The
+    # kernel reads V's codes past the end unmasked and zeroes them; Triton's interpreter turns
+    # e4m3's NaN code into 480, so there a leak gives 0 * 480 = 0: only a GPU run can see it.)
+    used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for table, n in zip(tables, lens):
+        pos = torch.arange(n)
+        used[table[pos // block_size].long() * block_size + pos % block_size] = True
+    unused = (~used).to(DEVICE)
+    for t in caches:
+        flat = t.view(torch.uint8).view(num_blocks * block_size, -1) if t.element_size() == 1 else t.flatten(0, 1)
+        flat[unused] = 0x7F if t.dtype == torch.float8_e4m3fn else (float("nan") if t.is_floating_point() else 127)
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     return q, caches, tables.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE)
 
