@@ -204,7 +204,10 @@ def remembered(check):
         tensors = []
         key = _key(check, args, kwargs, tensors)
         if key is not None:
-            hit = _PASSED.get(key)
+            try:
+                hit = _PASSED.get(key)
+            except TypeError:                 # an unhashable argument: this call is not remembered
+                hit = key = None
             if hit is not None and all(ref() is t for ref, t in zip(hit[0], tensors)):
                 return hit[1]
         result = check(*args, **kwargs)
@@ -218,24 +221,28 @@ def remembered(check):
 
 
 def _key(check, args, kwargs, tensors: list):
-    """A hashable image of a call (None: not to be remembered); the call's tensors go to ``tensors``.
-    A tensor is (id, version, address): every in-place change of its shape or strides bumps the
-    version too, and the address catches ``.data = other``."""
-    parts = [check, tuple(kwargs)]
+    """An image of a call to look up (None: not to be remembered), hashable unless an argument is
+    not; the call's tensors go to ``tensors``. A tensor is (id, version, address): every in-place
+    change of its shape or strides bumps the version too, and the address catches ``.data = other``."""
     try:
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                tensors.append(a)
-                parts.append((id(a), a._version, a.data_ptr()))
-            elif isinstance(a, (list, tuple)):
-                parts.append(_key(None, a, {}, tensors))
-            else:
-                parts.append(a)
-        key = tuple(parts)
-        hash(key)
-    except (RuntimeError, TypeError):    # an inference tensor keeps no version; an unhashable argument
+        return (check, tuple(kwargs), *_parts((*args, *kwargs.values()), tensors))
+    except RuntimeError:                 # an inference tensor keeps no version
         return None
-    return key
+
+
+def _parts(values, tensors: list) -> list:
+    parts = []
+    for a in values:
+        if a is None:                      # most optional arguments: the cheapest test first
+            parts.append(a)
+        elif isinstance(a, torch.Tensor):
+            tensors.append(a)
+            parts.append((id(a), a._version, a.data_ptr()))
+        elif isinstance(a, (list, tuple)):
+            parts.append(tuple(_parts(a, tensors)))
+        else:
+            parts.append(a)
+    return parts
 
 
 def forget_checks() -> None:

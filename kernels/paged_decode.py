@@ -18,6 +18,7 @@ chapter compares against.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -175,6 +176,12 @@ def merge_splits_kernel(
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
+@functools.lru_cache(maxsize=1024)
+def _planned_splits(batch: int, num_kv_heads: int, max_seq_len: int, sms: int, block_n: int) -> int:
+    """:func:`choose_num_splits`, remembered: a default call plans the same shapes over and over."""
+    return choose_num_splits(batch, num_kv_heads, max_seq_len, sms, block_n=block_n)
+
+
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, sm_scale=None, *,
                  max_seq_len: int | None = None, block_n: int | None = None, validate: bool = True,
                  out: torch.Tensor | None = None, num_warps: int | None = None,
@@ -220,7 +227,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = longest if longest is not None else grid_length(seq_lens, None, "max_seq_len", False)
-        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n=block_n)
+        num_splits = _planned_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n)
     if q.is_cuda:
         # a quantised cache: half the bytes a tile, and 4 warps won the H200 sweep there
         num_warps, num_stages = num_warps or (4 if k_scale is not None else 8), num_stages or 3

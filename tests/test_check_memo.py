@@ -110,6 +110,22 @@ def test_forget_checks_and_inference_tensors_check_every_call(decode_checks):
     assert decode_checks.launches == 5
 
 
+def test_lists_and_unhashable_arguments():
+    """Tensors inside a list are keyed like the others; a list holding an inference tensor, or an
+    argument that cannot be hashed, makes the call one that is checked every time."""
+    calls = []
+    check = checks.remembered(lambda *args, **kwargs: calls.append(1) or len(calls))
+    a, b = torch.zeros(3), torch.zeros(3)
+    assert check([a, b], 1) == check([a, b], 1) == 1
+    b.add_(1)                                   # a list's tensor changed: checked again
+    assert check([a, b], 1) == 2
+    with torch.inference_mode():
+        c = torch.zeros(3)
+    assert (check([a, c], 1), check([a, c], 1)) == (3, 4)
+    assert (check(a, {"not": "hashable"}), check(a, {"not": "hashable"})) == (5, 6)
+    checks.forget_checks()
+
+
 def test_write_kv_and_copy_blocks_check_a_changed_mapping_again():
     checks.forget_checks()
     k_cache = torch.zeros(4, 4, 2, 16, device=DEVICE)
