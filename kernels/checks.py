@@ -231,6 +231,8 @@ def _key(check, args, kwargs, tensors: list):
 
 
 def _parts(values, tensors: list) -> list:
+    """The key's parts for ``values``: each tensor's (id, version, address), lists and tuples
+    recursed into, anything else as it is."""
     parts = []
     for a in values:
         if a is None:                      # most optional arguments: the cheapest test first
