@@ -12,7 +12,10 @@ launch:
 codes to fp16 for the dots (what the engine's kernel does), 1 quantises q and the probabilities
 to e4m3 too and runs fp8 dots (no conversion of K/V; row scales keep the codes in range), 2 only
 loads the tiles and folds them into a checksum (no dots, no softmax: the loads' own pace);
-``SCALES=False`` leaves the scale loads out. Times are ``do_bench`` medians over the same
+``SCALES=False`` leaves the scale loads out; ``V_T`` reads V from a copy stored transposed within
+each page (``[num_blocks, num_kv_heads, head_dim, block_size]``, vLLM's first value-cache layout),
+so the tile ``p @ v`` wants, keys side by side, is the one memory holds. (``MODE`` 0 is the engine's
+kernel as it was before it converted V before masking it.) Times are ``do_bench`` medians over the same
 shuffled pages, bf16's engine call first; errors against float32 attention on the dequantised
 cache. bf16, 32 query / 8 KV heads, head_dim 128, pages of 16 tokens.
 """
@@ -42,8 +45,9 @@ from bench_paged_decode import make_batch as make  # noqa: E402
 def probe_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, lse_ptr, sm_scale,
                stride_qt, stride_qh, stride_table, num_kv_heads, num_splits,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               BLOCK_N: tl.constexpr, MODE: tl.constexpr, SCALES: tl.constexpr):
+               BLOCK_N: tl.constexpr, MODE: tl.constexpr, SCALES: tl.constexpr, V_T: tl.constexpr = False):
     # MODE 0: fp16 dots (production); 1: fp8 dots (q and p in e4m3, row-scaled); 2: loads only
+    # V_T: V stored transposed within its page, [num_blocks, num_kv_heads, HEAD_DIM, BLOCK_SIZE]
     seq = tl.program_id(0); kv_head = tl.program_id(1); split = tl.program_id(2)
     seq_len = tl.load(sl_ptr + seq)
     tps = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -74,7 +78,16 @@ def probe_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, l
         slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         offs = slot[:, None] * row_stride + kv_head * HEAD_DIM + dims[None, :]
         k = tl.load(k_ptr + offs, mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
+        if V_T:
+            # A key's values sit BLOCK_SIZE bytes apart and a page's keys side by side, so the
+            # tile p @ v wants (keys adjacent) is how memory holds it. Unmasked: the probe's
+            # shapes have whole tiles only (a real kernel must zero rows past the end).
+            page_c = tl.max_constancy(page, BLOCK_SIZE)      # tiles start on a page boundary
+            v_offs = ((page_c.to(tl.int64) * num_kv_heads + kv_head) * HEAD_DIM * BLOCK_SIZE)[:, None] \
+                + dims[None, :] * BLOCK_SIZE + (tl.arange(0, BLOCK_N) % BLOCK_SIZE)[:, None]
+            v = tl.load(v_ptr + v_offs)
+        else:
+            v = tl.load(v_ptr + offs, mask=valid[:, None], other=0.0)
         if SCALES:
             k_scale = tl.load(ks_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
             v_scale = tl.load(vs_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
@@ -131,14 +144,16 @@ def probe_merge_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.c
     tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
 
 
-def run_probe(q, k8, v8, ks, vs, tables, seq_lens, splits, out, mode, scales=True, block_n=128, warps=4, stages=3):
+def run_probe(q, k8, v8, ks, vs, tables, seq_lens, splits, out, mode, scales=True, block_n=128, warps=4, stages=3,
+              v_t=False):
     batch = q.shape[0]
     partial = torch.empty(batch, HEADS, splits, DIM, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, HEADS, splits, dtype=torch.float32, device=q.device)
     probe_kernel[(batch, KV_HEADS, splits)](q, k8, v8, ks, vs, tables, seq_lens, partial, lse, 1 / math.sqrt(DIM),
                                           q.stride(0), q.stride(1), tables.stride(0), KV_HEADS, splits,
                                           GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=DIM, BLOCK_SIZE=BS,
-                                          BLOCK_N=block_n, MODE=mode, SCALES=scales, num_warps=warps, num_stages=stages)
+                                          BLOCK_N=block_n, MODE=mode, SCALES=scales, V_T=v_t, num_warps=warps,
+                                          num_stages=stages)
     probe_merge_kernel[(batch * HEADS,)](partial, lse, out, splits, HEAD_DIM=DIM, SPLITS_PAD=triton.next_power_of_2(splits))
     return out
 
@@ -155,9 +170,11 @@ def variants_table(ncu: bool) -> list[dict]:
     for batch, seq_len in shapes:
         q, k, v, tables, seq_lens = make(batch, seq_len)
         (k8, ks), (v8, vs) = quantize_kv(k, "fp8"), quantize_kv(v, "fp8")
+        v8t = v8.permute(0, 2, 3, 1).contiguous()          # [num_blocks, KV, HEAD_DIM, BLOCK_SIZE]
         splits = choose_num_splits(batch, KV_HEADS, seq_len, 132)
         out = torch.empty_like(q)
         probe = lambda mode, **kw: (lambda: run_probe(q, k8, v8, ks, vs, tables, seq_lens, splits, out, mode, **kw))  # noqa: E731
+        probe_t = lambda n, **kw: (lambda: run_probe(q, k8, v8t, ks, vs, tables, seq_lens, n, out, 0, v_t=True, **kw))  # noqa: E731
         variants = {
             "bf16": lambda: paged_decode(q, k, v, tables, seq_lens, splits, validate=False, out=out),
             "fp8": lambda: paged_decode(q, k8, v8, tables, seq_lens, splits, validate=False, out=out,
@@ -165,9 +182,12 @@ def variants_table(ncu: bool) -> list[dict]:
             "fp16_dots": probe(0), "fp16_dots_no_scales": probe(0, scales=False),
             "loads_only": probe(2), "loads_only_no_scales": probe(2, scales=False),
             "fp8_dots": probe(1), "fp8_dots_n256": probe(1, block_n=256), "fp8_dots_8_warps": probe(1, warps=8),
+            "v_transposed": probe_t(splits), "v_transposed_2x_splits": probe_t(2 * splits),
+            "v_transposed_n64_s2": probe_t(2 * splits, block_n=64, stages=2),
+            "v_transposed_8_warps": probe_t(splits, warps=8),
         }
         if ncu:
-            for name in ("bf16", "fp8", "fp8_dots", "loads_only"):
+            for name in ("bf16", "fp8", "v_transposed", "v_transposed_n64_s2"):
                 variants[name]()
             torch.cuda.synchronize()
             return []
@@ -185,7 +205,7 @@ def variants_table(ncu: bool) -> list[dict]:
                 row[name + "/bf16"] = round(row[name + "_us"] / row["bf16_us"], 3)
         print(json.dumps(row), flush=True)
         rows.append(row)
-        del q, k, v, k8, v8, ks, vs
+        del q, k, v, k8, v8, v8t, ks, vs
         torch.cuda.empty_cache()
     return rows
 
