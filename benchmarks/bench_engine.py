@@ -178,9 +178,10 @@ def tiny_model_rate(repeat: int = 5) -> dict:
         outs = llm.generate(TINY_PROMPTS, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    # Every run's rate too: on a shared 2-core machine they spread by a third from one minute to the next.
     return {"device": profile.DEVICE, "prompts": len(TINY_PROMPTS), "new_tokens": 32,
             "tok_s": round(tokens / statistics.median(times), 1), "median_s": round(statistics.median(times), 3),
-            "threads": torch.get_num_threads()}
+            "runs_tok_s": [round(tokens / t) for t in times], "threads": torch.get_num_threads()}
 
 
 def step_bytes(model_bytes: int, batch: int, context: int, layers: int) -> int:
