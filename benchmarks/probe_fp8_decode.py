@@ -9,13 +9,14 @@ launch:
         python benchmarks/probe_fp8_decode.py --ncu               # one launch of 4 variants, for counters
 
 ``probe_kernel`` is ``paged_decode``'s split kernel with switches: ``MODE`` 0 converts the e4m3
-codes to fp16 for the dots (what the engine's kernel does), 1 quantises q and the probabilities
+codes to fp16 for the dots, as the engine's kernel does, 1 quantises q and the probabilities
 to e4m3 too and runs fp8 dots (no conversion of K/V; row scales keep the codes in range), 2 only
 loads the tiles and folds them into a checksum (no dots, no softmax: the loads' own pace);
 ``SCALES=False`` leaves the scale loads out; ``V_T`` reads V from a copy stored transposed within
 each page (``[num_blocks, num_kv_heads, head_dim, block_size]``, vLLM's first value-cache layout),
-so the tile ``p @ v`` wants, keys side by side, is the one memory holds. (``MODE`` 0 is the engine's
-kernel as it was before it converted V before masking it.) Times are ``do_bench`` medians over the same
+so the tile ``p @ v`` wants, keys side by side, is the one memory holds. (The probe masks V before
+converting it, as the engine's kernel did before 2026-12-02's evening: MODE 0 keeps that kernel's
+byte-wise shared-memory reads of V.) Times are ``do_bench`` medians over the same
 shuffled pages, bf16's engine call first; errors against float32 attention on the dequantised
 cache. bf16, 32 query / 8 KV heads, head_dim 128, pages of 16 tokens.
 """
@@ -46,7 +47,7 @@ def probe_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, l
                stride_qt, stride_qh, stride_table, num_kv_heads, num_splits,
                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                BLOCK_N: tl.constexpr, MODE: tl.constexpr, SCALES: tl.constexpr, V_T: tl.constexpr = False):
-    # MODE 0: fp16 dots (production); 1: fp8 dots (q and p in e4m3, row-scaled); 2: loads only
+    # MODE 0: fp16 dots (the engine's way); 1: fp8 dots (q and p in e4m3, row-scaled); 2: loads only
     # V_T: V stored transposed within its page, [num_blocks, num_kv_heads, HEAD_DIM, BLOCK_SIZE]
     seq = tl.program_id(0); kv_head = tl.program_id(1); split = tl.program_id(2)
     seq_len = tl.load(sl_ptr + seq)
