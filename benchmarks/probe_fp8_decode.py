@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 from kvlab.kernels import paged_decode
+from kvlab.kernels.paged_decode import merge_splits_kernel   # the engine's merge: only stage 1 is probed
 from kvlab.kernel_plan import choose_num_splits
 from kvlab.quantization import quantize_kv, dequantize_kv
 
@@ -130,21 +131,6 @@ def probe_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, l
     tl.store(lse_ptr + row * num_splits + split, lse, mask=head_mask)
 
 
-@triton.jit
-def probe_merge_kernel(partial_ptr, lse_ptr, out_ptr, num_splits, HEAD_DIM: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    row = tl.program_id(0)
-    splits = tl.arange(0, SPLITS_PAD)
-    lse = tl.load(lse_ptr + row * num_splits + splits, mask=splits < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    weights = tl.exp(lse - tl.where(lse_max == float("-inf"), 0.0, lse_max))
-    dims = tl.arange(0, HEAD_DIM)
-    partial = tl.load(partial_ptr + (row * num_splits + splits)[:, None] * HEAD_DIM + dims[None, :],
-                      mask=(splits < num_splits)[:, None], other=0.0)
-    total = tl.sum(weights, axis=0)
-    out = tl.sum(weights[:, None] * partial, axis=0) / tl.where(total == 0.0, 1.0, total)
-    tl.store(out_ptr + row * HEAD_DIM + dims, out.to(out_ptr.dtype.element_ty))
-
-
 def run_probe(q, k8, v8, ks, vs, tables, seq_lens, splits, out, mode, scales=True, block_n=128, warps=4, stages=3,
               v_t=False):
     batch = q.shape[0]
@@ -155,7 +141,7 @@ def run_probe(q, k8, v8, ks, vs, tables, seq_lens, splits, out, mode, scales=Tru
                                           GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=DIM, BLOCK_SIZE=BS,
                                           BLOCK_N=block_n, MODE=mode, SCALES=scales, V_T=v_t, num_warps=warps,
                                           num_stages=stages)
-    probe_merge_kernel[(batch * HEADS,)](partial, lse, out, splits, HEAD_DIM=DIM, SPLITS_PAD=triton.next_power_of_2(splits))
+    merge_splits_kernel[(batch * HEADS,)](partial, lse, out, splits, HEAD_DIM=DIM, SPLITS_PAD=triton.next_power_of_2(splits))
     return out
 
 
