@@ -26,4 +26,5 @@ from kvlab.engine.sequence import Sequence, SequenceStatus, SpecDecodeStats
 from kvlab.engine.spec_decode import SpeculativeConfig
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "SpecDecodeStats", "SpeculativeConfig", "rejection_sample"]
+           "Scheduler", "SchedulerOutput", "Sequence", "SequenceStatus", "SpecDecodeStats", "SpeculativeConfig",
+           "rejection_sample"]
