@@ -33,6 +33,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kvlab.quantization import kv_cache_format
+
 # The tile sizes are planned without Triton, in kvlab.kernel_plan (re-exported here); its
 # causal_tile_bounds is the Python twin of _causal_bounds below.
 from kvlab.kernel_plan import SHARED_MEMORY_BUDGET, tile_config  # noqa: F401
@@ -520,7 +522,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     if cu_query_lens is None:
         cu_query_lens = torch.nn.functional.pad(torch.cumsum(query_lens, 0, dtype=torch.int32), (1, 0))
     cfg = _launch_config(head_dim, max_query_len, block_m, block_n, num_warps, num_stages, q.element_size(),
-                         max_len_k=max_seq_len)
+                         max_len_k=max_seq_len,
+                         kv_cache_dtype="auto" if k_scale is None else kv_cache_format(k_cache.dtype).name)
     new_kv = k_new is not None
     q_desc = _tile_descriptor(q, cfg["BLOCK_M"], varlen=True)
     k_new_desc, v_new_desc = ((_tile_descriptor(k_new, cfg["BLOCK_N"], varlen=True),

@@ -54,7 +54,8 @@ INTERPRETER_BLOCK_N = 16    # small tiles, so the interpreter's short sequences 
 SHARED_MEMORY_BUDGET = 200 * 1024   # bytes of K/V stages; an H100/H200 SM has 227 KiB for one program
 
 
-def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | None = None) -> dict:
+def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | None = None,
+                kv_cache_dtype: str = "auto") -> dict:
     """``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages`` for this machine and head size.
 
     On a GPU: the configs that won a sweep on an H200 (``benchmarks/tune_attention.py``).
@@ -64,7 +65,11 @@ def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | No
     prefix (``max_len_k`` >= 8K keys: a chunk of a long prompt) give every program many keys
     again, so they take the 128 x 128 tiles too (measured for ``head_dim`` 128; at 64 the small
     tiles stayed as fast). ``head_dim`` 256 takes smaller
-    tiles so they still fit in shared memory. In the interpreter, 16 x 16 tiles let the short
+    tiles so they still fit in shared memory. Over a quantised cache (``kv_cache_dtype`` "fp8"
+    or "int8": codes converted in registers before the products) 128 x 64 tiles won at every
+    extend shape of an H200 sweep (``benchmarks/sweep_quantized.py``; compiled with 128 x 128
+    tiles the kernel needs 255 registers and spills), with 8 warps for fp8 and 4 for int8, and
+    4 whenever fewer than 128 queries remain. In the interpreter, 16 x 16 tiles let the short
     sequences it can run in seconds still cross several tiles, so the loop, the causal
     diagonal and the ragged end all run. ``BLOCK_M`` shrinks for short queries (a decode step
     has one), never below 16, the smallest ``tl.dot``.
@@ -73,6 +78,9 @@ def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | No
             or (max_len_k is not None and max_len_k >= 8192 and head_dim > 64))
     if profile.INTERPRETED:
         cfg = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1, num_stages=1)
+    elif head_dim <= 128 and kv_cache_dtype != "auto":
+        cfg = dict(BLOCK_M=128, BLOCK_N=64, num_warps=8 if kv_cache_dtype == "fp8" and head_dim > 64 else 4,
+                   num_stages=3)
     elif head_dim <= 128 and long:
         cfg = dict(BLOCK_M=128, BLOCK_N=128, num_warps=4 if head_dim <= 64 else 8, num_stages=3)
     elif head_dim <= 128:
@@ -81,16 +89,16 @@ def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | No
         cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     if max_len_q is not None:
         cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], next_power_of_2(max(max_len_q, 1))))
-        if cfg["BLOCK_M"] < 64 and not profile.INTERPRETED:
+        if cfg["BLOCK_M"] < (64 if kv_cache_dtype == "auto" else 128) and not profile.INTERPRETED:
             cfg["num_warps"] = 4   # too few rows to share among 8 warps
     return cfg
 
 
 def launch_config(head_dim, max_len_q, block_m, block_n, num_warps, num_stages, element_size=2,
-                  max_len_k=None) -> dict:
+                  max_len_k=None, kv_cache_dtype="auto") -> dict:
     """:func:`tile_config` with the caller's overrides (``None``: keep), checked; ``num_stages``
     left to the config shrinks until the K/V stages fit :data:`SHARED_MEMORY_BUDGET`."""
-    cfg = tile_config(head_dim, max_len_q, max_len_k)
+    cfg = tile_config(head_dim, max_len_q, max_len_k, kv_cache_dtype)
     for key, value in (("BLOCK_M", block_m), ("BLOCK_N", block_n), ("num_warps", num_warps),
                        ("num_stages", num_stages)):
         if value is not None:

@@ -62,6 +62,12 @@ def test_tile_config(monkeypatch):
     # A chunk of 2K queries over a 32K prefix: big tiles; the same chunk over 4K keys, or at head_dim 64: small
     assert kp.tile_config(128, 2048, 34816)["BLOCK_M"] == 128 == kp.tile_config(128, 2048, 34816)["BLOCK_N"]
     assert kp.tile_config(128, 1024, 4096)["BLOCK_N"] == 64 == kp.tile_config(64, 2048, 34816)["BLOCK_N"]
+    # Over a quantised cache: 128 x 64 at every length, 8 warps for fp8 and 4 for int8; fewer
+    # than 128 queries take 4 warps
+    assert kp.tile_config(128, 4096, 36864, "fp8") == dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    assert kp.tile_config(128, 4096, 36864, "int8") == dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    assert kp.tile_config(64, 1024, 4096, "fp8")["num_warps"] == 4
+    assert kp.tile_config(128, 40, 4096, "fp8") == dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def test_launch_config(monkeypatch):
@@ -70,6 +76,7 @@ def test_launch_config(monkeypatch):
     assert kp.launch_config(128, None, None, None, None, None, 4)["num_stages"] == 1       # float32: 128 KiB a stage
     assert kp.launch_config(128, None, None, None, None, 5, 4)["num_stages"] == 5          # given: kept
     assert kp.launch_config(64, 100, 32, 16, 2, 1)["BLOCK_M"] == 32
+    assert kp.launch_config(128, 512, None, None, None, None, 2, 8192, kv_cache_dtype="fp8")["BLOCK_N"] == 64
     for block_m, block_n in ((8, None), (None, 48)):
         with pytest.raises(ValueError, match="power of two"):
             kp.launch_config(64, None, block_m, block_n, None, None)
