@@ -164,25 +164,35 @@ def measure_extend(batch, prefix, new, dim) -> dict:
     return row
 
 
-def quantized_extend(batch, prefix, new, dim, kv_cache_dtype) -> dict:
-    """The engine's extend call on a ``kv_cache_dtype`` cache against the bf16 one, same K/V."""
-    from kvlab.models.backends import reads_new_kv
+def quantized_extend_inputs(batch, prefix, new, dim, kv_cache_dtype) -> dict:
+    """``extend_inputs`` with the paged cache quantised: ``quant_args`` of ``paged_prefill`` (the
+    codes, with ``quant_scales`` to pass beside them), and ``want``: the contiguous kernel on the
+    dequantised K/V, what a quantised call must give."""
     from kvlab.quantization import dequantize_kv, quantize_kv
 
-    assert not reads_new_kv(prefix + new, new)      # extends: every key through the table, as timed
     case = extend_inputs(batch, prefix, new, dim)
     q, k_cache, v_cache, tables, seq_lens, query_lens = case["args"]
     (k8, k_scale), (v8, v_scale) = quantize_kv(k_cache, kv_cache_dtype), quantize_kv(v_cache, kv_cache_dtype)
-    # the contiguous kernel on the dequantised values: what the quantised call must give
     k, v = (torch.empty_like(case["k"]) for _ in range(2))
     for dense, codes, scale in ((k, k8, k_scale), (v, v8, v_scale)):
         pages = dequantize_kv(codes, scale, torch.bfloat16)[tables.long()]         # [B, blocks, 16, KV, D]
         dense.copy_(pages.flatten(1, 2).transpose(1, 2))
-    want = packed(flash_attention(case["q"], k, v, validate=False)).float()
+    case.update(quant_args=(q, k8, v8, tables, seq_lens, query_lens),
+                quant_scales=dict(k_scale=k_scale, v_scale=v_scale),
+                want=packed(flash_attention(case["q"], k, v, validate=False)).float())
+    return case
+
+
+def quantized_extend(batch, prefix, new, dim, kv_cache_dtype) -> dict:
+    """The engine's extend call on a ``kv_cache_dtype`` cache against the bf16 one, same K/V."""
+    from kvlab.models.backends import reads_new_kv
+
+    assert not reads_new_kv(prefix + new, new)      # extends: every key through the table, as timed
+    case = quantized_extend_inputs(batch, prefix, new, dim, kv_cache_dtype)
+    want = case["want"]
 
     def quant_call():
-        return paged_prefill(q, k8, v8, tables, seq_lens, query_lens, k_scale=k_scale, v_scale=v_scale,
-                             **case["hints"])
+        return paged_prefill(*case["quant_args"], **case["quant_scales"], **case["hints"])
 
     err = float((quant_call().float() - want).abs().max())
     bf16 = bench(lambda: paged_prefill(*case["args"], **case["hints"]))
@@ -193,7 +203,7 @@ def quantized_extend(batch, prefix, new, dim, kv_cache_dtype) -> dict:
            "quant_us": round(quant * 1e6, 1), "time_vs_bf16": round(quant / bf16, 3),
            "meets_goal": quant / bf16 <= 1 / 0.9}
     print(row, flush=True)
-    del case, k8, v8, k_scale, v_scale, k, v, want
+    del case, want
     torch.cuda.empty_cache()
     return row
 

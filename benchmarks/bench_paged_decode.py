@@ -27,6 +27,7 @@ from __future__ import annotations
 import itertools
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -199,20 +200,28 @@ def chapter_rows() -> list[dict]:
     return rows
 
 
-def quantized(batch: int, seq_len: int, kv_cache_dtype: str, num_sms: int) -> dict:
-    """The engine's call on a ``kv_cache_dtype`` cache against the bf16 one, same K/V and splits."""
+def quantized_batch(batch: int, seq_len: int, kv_cache_dtype: str) -> SimpleNamespace:
+    """A random bf16 batch (``make_batch``), its cache quantised (``k8``, ``v8`` and their scales),
+    and ``want``: cuDNN on the dequantised K/V, what a quantised call must give."""
     from kvlab.quantization import dequantize_kv, quantize_kv
 
     q, k_cache, v_cache, tables, seq_lens = make_batch(batch, seq_len)
     (k8, k_scale), (v8, v_scale) = quantize_kv(k_cache, kv_cache_dtype), quantize_kv(v_cache, kv_cache_dtype)
     k, v = contiguous_kv(dequantize_kv(k8, k_scale, torch.bfloat16), dequantize_kv(v8, v_scale, torch.bfloat16),
                          tables)
-    want = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)
+    return SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, seq_lens=seq_lens, k8=k8,
+                           v8=v8, k_scale=k_scale, v_scale=v_scale, want=sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION))
+
+
+def quantized(batch: int, seq_len: int, kv_cache_dtype: str, num_sms: int) -> dict:
+    """The engine's call on a ``kv_cache_dtype`` cache against the bf16 one, same K/V and splits."""
+    b = quantized_batch(batch, seq_len, kv_cache_dtype)
     splits = choose_num_splits(batch, KV_HEADS, seq_len, num_sms)
-    out = torch.empty_like(q)
-    bf16 = bench(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, splits, validate=False, out=out))
-    quant = checked_seconds(lambda: paged_decode(q, k8, v8, tables, seq_lens, splits, validate=False, out=out,
-                                                 k_scale=k_scale, v_scale=v_scale), out, want)
+    out = torch.empty_like(b.q)
+    bf16 = bench(lambda: paged_decode(b.q, b.k_cache, b.v_cache, b.tables, b.seq_lens, splits, validate=False,
+                                      out=out))
+    quant = checked_seconds(lambda: paged_decode(b.q, b.k8, b.v8, b.tables, b.seq_lens, splits, validate=False,
+                                                 out=out, k_scale=b.k_scale, v_scale=b.v_scale), out, b.want)
     quant_bytes = 2 * batch * seq_len * KV_HEADS * (DIM + 4)        # one byte a value, a float32 scale a row
     row = {"kv_cache_dtype": kv_cache_dtype, "batch": batch, "seq_len": seq_len, "num_splits": splits,
            "bf16_us": round(bf16 * 1e6, 1), "bf16_TBps": round(kv_tbps(batch, seq_len, bf16), 2)}
@@ -222,7 +231,7 @@ def quantized(batch: int, seq_len: int, kv_cache_dtype: str, num_sms: int) -> di
     else:
         row.update(quant_us=quant, quant_TBps="-", time_vs_bf16="-")
     print(row, flush=True)
-    del q, k_cache, v_cache, k8, v8, k_scale, v_scale, k, v, want, out
+    del b, out
     torch.cuda.empty_cache()
     return row
 

@@ -26,14 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from torch.nn.attention import SDPBackend  # noqa: E402
 
-from bench_flash_attention import EXTENDS, extend_inputs, packed  # noqa: E402
-from bench_paged_decode import KV_HEADS, QUANT_SHAPES, checked_seconds, contiguous_kv, make_batch, sdpa  # noqa: E402
+from bench_flash_attention import EXTENDS, quantized_extend_inputs  # noqa: E402
+from bench_paged_decode import KV_HEADS, QUANT_SHAPES, checked_seconds, quantized_batch  # noqa: E402
 from common import bench, environment, print_table, save  # noqa: E402
-from kvlab.kernels import flash_attention, paged_decode, paged_prefill  # noqa: E402
+from kvlab.kernels import paged_decode, paged_prefill  # noqa: E402
 from kvlab.kernels.paged_decode import choose_num_splits  # noqa: E402
-from kvlab.quantization import dequantize_kv, quantize_kv  # noqa: E402
 
 DECODE_LAUNCHES = list(itertools.product([64, 128], [4, 8], [2, 3, 4]))   # (block_n, num_warps, num_stages)
 EXTEND_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
@@ -41,21 +39,18 @@ EXTEND_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8,
 
 
 def decode_rows(batch: int, seq_len: int, fmt: str, sms: int) -> list[dict]:
-    q, k_cache, v_cache, tables, seq_lens = make_batch(batch, seq_len)
-    (k8, k_scale), (v8, v_scale) = quantize_kv(k_cache, fmt), quantize_kv(v_cache, fmt)
-    k, v = contiguous_kv(dequantize_kv(k8, k_scale, torch.bfloat16), dequantize_kv(v8, v_scale, torch.bfloat16),
-                         tables)
-    want = sdpa(q, k, v, SDPBackend.CUDNN_ATTENTION)
+    b = quantized_batch(batch, seq_len, fmt)
     chosen = choose_num_splits(batch, KV_HEADS, seq_len, sms)
-    out = torch.empty_like(q)
-    bf16 = bench(lambda: paged_decode(q, k_cache, v_cache, tables, seq_lens, chosen, validate=False, out=out))
+    out = torch.empty_like(b.q)
+    bf16 = bench(lambda: paged_decode(b.q, b.k_cache, b.v_cache, b.tables, b.seq_lens, chosen, validate=False,
+                                      out=out))
     rows = []
     for (block_n, warps, stages), factor in itertools.product(DECODE_LAUNCHES, (1, 2)):
         splits = choose_num_splits(batch, KV_HEADS, seq_len, sms, block_n=block_n) * factor
-        call = lambda: paged_decode(q, k8, v8, tables, seq_lens, splits, validate=False, out=out,  # noqa: E731
-                                    k_scale=k_scale, v_scale=v_scale, block_n=block_n, num_warps=warps,
-                                    num_stages=stages)
-        seconds = checked_seconds(call, out, want, warmup_ms=20, rep_ms=100)
+        call = lambda: paged_decode(b.q, b.k8, b.v8, b.tables, b.seq_lens, splits, validate=False,  # noqa: E731
+                                    out=out, k_scale=b.k_scale, v_scale=b.v_scale, block_n=block_n,
+                                    num_warps=warps, num_stages=stages)
+        seconds = checked_seconds(call, out, b.want, warmup_ms=20, rep_ms=100)
         row = {"kv_cache_dtype": fmt, "batch": batch, "seq_len": seq_len, "block_n": block_n, "num_warps": warps,
                "num_stages": stages, "num_splits": splits, "bf16_us": round(bf16 * 1e6, 1)}
         if isinstance(seconds, float):
@@ -63,20 +58,14 @@ def decode_rows(batch: int, seq_len: int, fmt: str, sms: int) -> list[dict]:
         else:
             row.update(us=seconds, time_vs_bf16="-")
         rows.append(row)
-    del q, k_cache, v_cache, k8, v8, k_scale, v_scale, k, v, want, out
+    del b, out
     torch.cuda.empty_cache()
     return rows
 
 
 def extend_rows(batch: int, prefix: int, new: int, dim: int, fmt: str, tiles=EXTEND_TILES) -> list[dict]:
-    case = extend_inputs(batch, prefix, new, dim)
-    q, k_cache, v_cache, tables, seq_lens, query_lens = case["args"]
-    (k8, k_scale), (v8, v_scale) = quantize_kv(k_cache, fmt), quantize_kv(v_cache, fmt)
-    k, v = (torch.empty_like(case["k"]) for _ in range(2))
-    for dense, codes, scale in ((k, k8, k_scale), (v, v8, v_scale)):
-        pages = dequantize_kv(codes, scale, torch.bfloat16)[tables.long()]
-        dense.copy_(pages.flatten(1, 2).transpose(1, 2))
-    want = packed(flash_attention(case["q"], k, v, validate=False)).float()
+    case = quantized_extend_inputs(batch, prefix, new, dim, fmt)
+    want = case["want"]
     bf16 = bench(lambda: paged_prefill(*case["args"], **case["hints"]))
     rows = []
     for block_m, block_n, warps, stages in tiles:
@@ -85,8 +74,8 @@ def extend_rows(batch: int, prefix: int, new: int, dim: int, fmt: str, tiles=EXT
         tile = dict(block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages)
         row = {"kv_cache_dtype": fmt, "batch": batch, "prefix": prefix, "new": new, "head_dim": dim, **tile,
                "bf16_us": round(bf16 * 1e6, 1)}
-        call = lambda: paged_prefill(q, k8, v8, tables, seq_lens, query_lens, k_scale=k_scale,  # noqa: E731
-                                     v_scale=v_scale, **case["hints"], **tile)
+        call = lambda: paged_prefill(*case["quant_args"], **case["quant_scales"], **case["hints"],  # noqa: E731
+                                     **tile)
         try:
             out = call()
             err = float((out.float() - want).abs().max())
@@ -95,7 +84,7 @@ def extend_rows(batch: int, prefix: int, new: int, dim: int, fmt: str, tiles=EXT
         except Exception as e:  # noqa: BLE001  (a tile that does not compile is a result too)
             row.update(err="-", us=f"error: {type(e).__name__}: {str(e)[:50]}", time_vs_bf16="-")
         rows.append(row)
-    del case, k8, v8, k_scale, v_scale, k, v, want
+    del case, want
     torch.cuda.empty_cache()
     return rows
 
