@@ -89,8 +89,10 @@ def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | No
         cfg = dict(BLOCK_M=64, BLOCK_N=32, num_warps=8, num_stages=2)
     if max_len_q is not None:
         cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], next_power_of_2(max(max_len_q, 1))))
-        if cfg["BLOCK_M"] < (64 if kv_cache_dtype == "auto" else 128) and not profile.INTERPRETED:
-            cfg["num_warps"] = 4   # too few rows to share among 8 warps
+        # Too few rows to share among 8 warps: below 64 (bf16), below 128 (a quantised cache)
+        rows_for_8_warps = 64 if kv_cache_dtype == "auto" else 128
+        if cfg["BLOCK_M"] < rows_for_8_warps and not profile.INTERPRETED:
+            cfg["num_warps"] = 4
     return cfg
 
 
