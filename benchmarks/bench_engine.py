@@ -16,13 +16,17 @@ greedy, no early stop.
   median time of the steps that only decode.
 * ``generate`` wall clock: batch * 256 new tokens / the whole call's time, prefill included.
 * the shipped tiny model: ``LLM()`` on 9 short code prompts, 32 new tokens each, greedy,
-  tokens/s of the median of 5 ``generate`` calls (the same workload as on a CPU).
+  tokens/s of the median of 5 ``generate`` calls (the same workload as on a CPU). On Linux it
+  also reports how idle the machine was: the load average before, and the share of the CPUs
+  that other processes (and, in a VM, the host: steal time) took during the runs.
 * the roofline: a decode step must read every weight but the embedding table once, plus
   the batch's K/V; at the measured copy bandwidth that takes ``bytes / bandwidth``.
 """
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import sys
 import time
@@ -163,13 +167,40 @@ TINY_PROMPTS = ["def add(a, b):", "import os\n", "class Stack:", "for i in range
                 "with open(path) as f:", "try:\n    import json", "return self.", "if __name__ == '__main__':"]
 
 
+def cpu_counters() -> tuple[float, float, float, float] | None:
+    """(wall s, CPU s all processes used, CPU s stolen by a VM's host, CPU s this process used), or
+    None where ``/proc/stat`` is missing."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = sum(fields[:3]) + sum(fields[5:7])          # user, nice, system, irq, softirq
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), busy / tick, fields[7] / tick, own.ru_utime + own.ru_stime
+
+
+def machine_state(before, after) -> dict:
+    """How idle the machine was between two ``cpu_counters``: the shares of all its CPUs that
+    other processes and the host (steal) took."""
+    if before is None or after is None:
+        return {}
+    wall = (after[0] - before[0]) * (os.cpu_count() or 1)
+    others = (after[1] - before[1]) - (after[3] - before[3])
+    return {"other_processes_cpu_share": round(max(others, 0.0) / wall, 3),
+            "steal_cpu_share": round((after[2] - before[2]) / wall, 3)}
+
+
 def tiny_model_rate(repeat: int = 5) -> dict:
     """Tokens/s of the shipped tiny model on this machine's profile (median of ``repeat`` runs)."""
     from kvlab import LLM, SamplingParams, profile
 
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     llm = LLM()
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     llm.generate(TINY_PROMPTS, params, use_tqdm=False)                  # warm-up
+    before = cpu_counters()
     times = []
     for _ in range(repeat):
         if profile.DEVICE == "cuda":
@@ -177,11 +208,13 @@ def tiny_model_rate(repeat: int = 5) -> dict:
         start = time.perf_counter()
         outs = llm.generate(TINY_PROMPTS, params, use_tqdm=False)
         times.append(time.perf_counter() - start)
+    state = machine_state(before, cpu_counters())
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     # Every run's rate too: on a shared 2-core machine they spread by a third from one minute to the next.
     return {"device": profile.DEVICE, "prompts": len(TINY_PROMPTS), "new_tokens": 32,
             "tok_s": round(tokens / statistics.median(times), 1), "median_s": round(statistics.median(times), 3),
-            "runs_tok_s": [round(tokens / t) for t in times], "threads": torch.get_num_threads()}
+            "runs_tok_s": [round(tokens / t) for t in times], "threads": torch.get_num_threads(),
+            "load_average_before": None if load is None else round(load, 2), **state}
 
 
 def step_bytes(model_bytes: int, batch: int, context: int, layers: int) -> int:
