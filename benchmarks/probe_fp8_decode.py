@@ -5,6 +5,8 @@ launch:
 
     python benchmarks/probe_fp8_decode.py [--out DIR]           # the variants, 4 shapes
     python benchmarks/probe_fp8_decode.py --sweep [--out DIR]   # splits x tile x warps x stages
+    python benchmarks/probe_fp8_decode.py --swapped [--out DIR] # the operand-swapped kernels, 5 shapes
+    python benchmarks/probe_fp8_decode.py --pages [--out DIR]   # pages shuffled or in order, 16 or 128 a page
     ncu --clock-control none -k regex:"probe_kernel|decode_split" -c 4 \
         python benchmarks/probe_fp8_decode.py --ncu               # one launch of 4 variants, for counters
 
@@ -19,6 +21,18 @@ converting it, as the engine's kernel did before 2026-12-02's evening: MODE 0 ke
 byte-wise shared-memory reads of V.) Times are ``do_bench`` medians over the same
 shuffled pages, bf16's engine call first; errors against float32 attention on the dequantised
 cache. bf16, 32 query / 8 KV heads, head_dim 128, pages of 16 tokens.
+
+``swapped_kernel`` turns both products around, ``s.T = k @ q.T`` and ``o.T = v.T @ p.T``, so the
+cache's tiles are the MMA's first operand (keys as rows: 64 or 128 of them fill Hopper's
+``wgmma``, where the 4 query heads of a GQA group, padded to 16, could not) and the query's
+the second. ``V_T`` reads V stored transposed within each page, as above. ``FP8_DOTS`` sends
+the codes to the tensor cores as stored, in their fp8 mode, with q and the probabilities each
+written as two e4m3 terms (``hi + lo / 16``, about bfloat16's precision; ``LO=False`` keeps one):
+nothing of K or V is converted. ``K_HEAD_MAJOR`` reads K from a copy laid out
+``[num_blocks, num_kv_heads, block_size, head_dim]`` (a page's keys of one head contiguous).
+A slot past a sequence's end must then hold a finite code: the probe's caches do (the engine's
+NaN-poisoned tests would not pass it). GPU only: the fp8 terms use Triton's own float32 -> e4m3
+conversion, which the interpreter gets wrong (see ``kvlab.kernels.write_kv_quant``).
 """
 import argparse
 import itertools
@@ -131,6 +145,112 @@ def probe_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, l
     tl.store(lse_ptr + row * num_splits + split, lse, mask=head_mask)
 
 
+@triton.jit
+def to_e4m3_terms(x):
+    """x (float32, |x| <= 448) as two e4m3 terms: x ~ hi + lo / 16."""
+    hi = x.to(tl.float8e4nv)
+    return hi, ((x - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def swapped_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, lse_ptr, sm_scale,
+                   stride_qt, stride_qh, stride_table, num_kv_heads, num_splits,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                   BLOCK_N: tl.constexpr, V_T: tl.constexpr, FP8_DOTS: tl.constexpr, LO: tl.constexpr,
+                   K_HEAD_MAJOR: tl.constexpr):
+    seq = tl.program_id(0); kv_head = tl.program_id(1); split = tl.program_id(2)
+    seq_len = tl.load(sl_ptr + seq)
+    tps = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tps
+    end = tl.minimum(start + tps, seq_len)
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+    head_mask = tl.arange(0, GROUP_PAD) < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    q_t = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[None, :] * stride_qh + dims[:, None],
+                  mask=head_mask[None, :], other=0.0).to(tl.float32)              # [HEAD_DIM, GROUP_PAD]
+    if FP8_DOTS:
+        q_amax = tl.max(tl.abs(q_t), axis=0)
+        q_up = 448.0 / tl.where(q_amax > 0, q_amax, 1.0)
+        q_hi, q_lo = to_e4m3_terms(q_t * q_up[None, :])
+        score_scale = sm_scale / q_up
+    else:
+        q16 = q_t.to(tl.float16)
+        score_scale = tl.full([GROUP_PAD], 1.0, tl.float32) * sm_scale
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([HEAD_DIM, GROUP_PAD], tl.float32)                               # the output, transposed
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        page = tl.load(bt_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=valid, other=0)
+        slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        if K_HEAD_MAJOR:
+            k_offs = ((page.to(tl.int64) * num_kv_heads + kv_head) * BLOCK_SIZE + pos % BLOCK_SIZE)[:, None] * HEAD_DIM \
+                + dims[None, :]
+        else:
+            k_offs = slot[:, None] * (num_kv_heads * HEAD_DIM) + kv_head * HEAD_DIM + dims[None, :]
+        k = tl.load(k_ptr + k_offs)                          # a key past the end reads some page's slot
+        k_scale = tl.load(ks_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
+        v_scale = tl.load(vs_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
+        if FP8_DOTS:
+            s = tl.dot(k, q_hi)
+            if LO:
+                s += tl.dot(k, q_lo) * 0.0625
+        else:
+            s = tl.dot(k.to(tl.float16), q16).to(tl.float32)                      # [BLOCK_N, GROUP_PAD]
+        s = s * score_scale[None, :] * k_scale[:, None]
+        s = tl.where(valid[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=0))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[None, :])
+        l = l * alpha + tl.sum(p, axis=0)
+        w = p * v_scale[:, None]
+        if V_T:
+            page_c = tl.max_constancy(page, BLOCK_SIZE)
+            v_offs = ((page_c.to(tl.int64) * num_kv_heads + kv_head) * HEAD_DIM * BLOCK_SIZE)[None, :] \
+                + dims[:, None] * BLOCK_SIZE + (tl.arange(0, BLOCK_N) % BLOCK_SIZE)[None, :]
+            v_offs = tl.max_contiguous(tl.multiple_of(v_offs, [BLOCK_SIZE, BLOCK_SIZE]), [1, BLOCK_SIZE])
+            v_t = tl.load(v_ptr + v_offs)                                          # [HEAD_DIM, BLOCK_N]
+            if FP8_DOTS:
+                w_amax = tl.max(w, axis=0)
+                w_up = 448.0 / tl.where(w_amax > 0, w_amax, 1.0)
+                w_hi, w_lo = to_e4m3_terms(w * w_up[None, :])
+                pv = tl.dot(v_t, w_hi)
+                if LO:
+                    pv += tl.dot(v_t, w_lo) * 0.0625
+                pv = pv / w_up[None, :]
+            else:
+                # min() turns a NaN code past the end into a number (its weight is 0) and keeps the
+                # conversion in the operand's layout: no trip through shared memory
+                v_t = tl.minimum(v_t.to(tl.float16), tl.full([1, 1], 448.0, tl.float16))
+                pv = tl.dot(v_t, w.to(tl.float16)).to(tl.float32)
+        else:
+            v = tl.where(valid[:, None], tl.load(v_ptr + k_offs).to(tl.float16), 0.0)
+            pv = tl.trans(tl.dot(tl.trans(w.to(tl.float16)), v).to(tl.float32))
+        acc = acc * alpha[None, :] + pv
+        m = m_new
+    empty = l == 0.0
+    out = acc / tl.where(empty, 1.0, l)[None, :]
+    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
+    row = seq * num_kv_heads * GROUP + heads
+    tl.store(out_ptr + ((row * num_splits + split)[None, :]) * HEAD_DIM + dims[:, None], out, mask=head_mask[None, :])
+    tl.store(lse_ptr + row * num_splits + split, lse, mask=head_mask)
+
+
+def run_swapped(q, k8, v8, ks, vs, tables, seq_lens, splits, out, v_t=True, fp8_dots=False, lo=True,
+                k_head_major=False, block_n=128, warps=4, stages=3):
+    batch = q.shape[0]
+    partial = torch.empty(batch, HEADS, splits, DIM, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, HEADS, splits, dtype=torch.float32, device=q.device)
+    swapped_kernel[(batch, KV_HEADS, splits)](q, k8, v8, ks, vs, tables, seq_lens, partial, lse, 1 / math.sqrt(DIM),
+                                            q.stride(0), q.stride(1), tables.stride(0), KV_HEADS, splits,
+                                            GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=DIM, BLOCK_SIZE=BS,
+                                            BLOCK_N=block_n, V_T=v_t, FP8_DOTS=fp8_dots, LO=lo,
+                                            K_HEAD_MAJOR=k_head_major, num_warps=warps, num_stages=stages)
+    merge_splits_kernel[(batch * HEADS,)](partial, lse, out, splits, HEAD_DIM=DIM, SPLITS_PAD=triton.next_power_of_2(splits))
+    return out
+
+
 def run_probe(q, k8, v8, ks, vs, tables, seq_lens, splits, out, mode, scales=True, block_n=128, warps=4, stages=3,
               v_t=False):
     batch = q.shape[0]
@@ -197,6 +317,82 @@ def variants_table(ncu: bool) -> list[dict]:
     return rows
 
 
+def time_variants(shape: str, splits: int, variants: dict, out, want=None) -> dict:
+    """do_bench medians of ``variants`` (the first is the baseline, ``bf16``), each output's error
+    against ``want`` where given, and times over the baseline's."""
+    row = {"shape": shape, "splits": splits}
+    for name, fn in variants.items():
+        fn()
+        torch.cuda.synchronize()
+        if want is not None and name != "bf16":
+            row[name + "_err"] = float(f"{((out.float() - want).norm() / want.norm()).item():.2e}")
+        row[name + "_us"] = round(do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3, 1)
+    for name in variants:
+        if name != "bf16":
+            row[name + "/bf16"] = round(row[name + "_us"] / row["bf16_us"], 3)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def swapped_table() -> list[dict]:
+    """The operand-swapped kernels against bf16's and fp8's engine calls."""
+    rows = []
+    for batch, seq_len in [(32, 32768), (1, 131072), (8, 8192), (32, 4096), (4, 32768)]:
+        q, k, v, tables, seq_lens = make(batch, seq_len)
+        (k8, ks), (v8, vs) = quantize_kv(k, "fp8"), quantize_kv(v, "fp8")
+        v8t = v8.permute(0, 2, 3, 1).contiguous()          # [num_blocks, KV, HEAD_DIM, BLOCK_SIZE]
+        k8h = k8.permute(0, 2, 1, 3).contiguous()          # [num_blocks, KV, BLOCK_SIZE, HEAD_DIM]
+        splits = choose_num_splits(batch, KV_HEADS, seq_len, 132)
+        out = torch.empty_like(q)
+        sw = lambda n, vv=v8t, **kw: (lambda: run_swapped(q, k8, vv, ks, vs, tables, seq_lens, n, out, **kw))  # noqa: E731
+        variants = {
+            "bf16": lambda: paged_decode(q, k, v, tables, seq_lens, splits, validate=False, out=out),
+            "fp8": lambda: paged_decode(q, k8, v8, tables, seq_lens, splits, validate=False, out=out,
+                                        k_scale=ks, v_scale=vs),
+            "swapped_fp16_v_plain": sw(splits, v8, v_t=False),
+            "swapped_fp16_v_t": sw(splits),
+            "swapped_fp16_v_t_n64_s2_2x_splits": sw(2 * splits, block_n=64, stages=2),
+            "fp8_dots": sw(splits, fp8_dots=True),
+            "fp8_dots_n64_s2_2x_splits": sw(2 * splits, fp8_dots=True, block_n=64, stages=2),
+            "fp8_dots_4x_splits": sw(4 * splits, fp8_dots=True, stages=2),
+            "fp8_dots_one_term": sw(splits, fp8_dots=True, lo=False),
+            "fp8_dots_k_head_major": lambda: run_swapped(q, k8h, v8t, ks, vs, tables, seq_lens, splits, out,
+                                                         fp8_dots=True, k_head_major=True),
+        }
+        want = ref_out(q, dequantize_kv(k8, ks, torch.float32), dequantize_kv(v8, vs, torch.float32), tables, seq_len) \
+            if batch * seq_len <= 32 * 8192 else None
+        rows.append(time_variants(f"{batch}x{seq_len}", splits, variants, out, want))
+        del q, k, v, k8, v8, v8t, k8h, ks, vs
+        torch.cuda.empty_cache()
+    return rows
+
+
+def pages_table() -> list[dict]:
+    """bf16's and fp8's engine calls with the pages shuffled (as everywhere else) or in order, 16 or
+    128 tokens a page: does the gather's address pattern set fp8's pace?"""
+    rows = []
+    for batch, seq_len in [(32, 32768), (1, 131072), (8, 8192)]:
+        for block_size, order in ((16, "shuffled"), (16, "in_order"), (128, "shuffled"), (128, "in_order")):
+            blocks = seq_len // block_size
+            k = torch.randn(batch * blocks, block_size, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            ids = torch.randperm(batch * blocks, device="cuda") if order == "shuffled" else \
+                torch.arange(batch * blocks, device="cuda")
+            tables = ids.view(batch, blocks).to(torch.int32).contiguous()
+            seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
+            q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+            (k8, ks), (v8, vs) = quantize_kv(k, "fp8"), quantize_kv(v, "fp8")
+            splits = choose_num_splits(batch, KV_HEADS, seq_len, 132)
+            out = torch.empty_like(q)
+            variants = {"bf16": lambda: paged_decode(q, k, v, tables, seq_lens, splits, validate=False, out=out),
+                        "fp8": lambda: paged_decode(q, k8, v8, tables, seq_lens, splits, validate=False, out=out,
+                                                    k_scale=ks, v_scale=vs)}
+            rows.append(time_variants(f"{batch}x{seq_len} pages of {block_size}, {order}", splits, variants, out))
+            del q, k, v, k8, v8, ks, vs
+            torch.cuda.empty_cache()
+    return rows
+
+
 def launch_sweep() -> list[dict]:
     """fp8's engine call over split counts (1-8x bf16's) x block_n x warps x stages."""
     shapes = [(32, 32768), (1, 131072), (8, 8192), (1, 32768), (32, 1024), (4, 32768), (16, 8192)]
@@ -231,12 +427,16 @@ def launch_sweep() -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="the launch sweep instead of the variants")
+    parser.add_argument("--swapped", action="store_true", help="the operand-swapped kernels instead")
+    parser.add_argument("--pages", action="store_true", help="pages shuffled or in order, of 16 or 128 tokens")
     parser.add_argument("--ncu", action="store_true", help="one launch of four variants at 32 x 32K, for ncu")
-    parser.add_argument("--out", default=None, help="folder for probe_fp8_decode.json")
+    parser.add_argument("--out", default=None, help="folder for probe_fp8_decode*.json")
     args = parser.parse_args()
-    rows = launch_sweep() if args.sweep else variants_table(args.ncu)
+    table, suffix = ((launch_sweep, "_sweep") if args.sweep else (swapped_table, "_swapped") if args.swapped else
+                     (pages_table, "_pages") if args.pages else (lambda: variants_table(args.ncu), ""))
+    rows = table()
     if args.out and rows:
-        path = Path(args.out) / ("probe_fp8_decode_sweep.json" if args.sweep else "probe_fp8_decode.json")
+        path = Path(args.out) / f"probe_fp8_decode{suffix}.json"
         path.write_text(json.dumps(rows, indent=1))
         print(f"wrote {path}")
 
