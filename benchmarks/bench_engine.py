@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import statistics
 import sys
 import time
@@ -171,9 +170,11 @@ def cpu_counters() -> tuple[float, float, float, float] | None:
     """(wall s, CPU s all processes used, CPU s stolen by a VM's host, CPU s this process used), or
     None where ``/proc/stat`` is missing."""
     try:
+        import resource
+
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
+    except (ImportError, OSError):
         return None
     tick = os.sysconf("SC_CLK_TCK")
     busy = sum(fields[:3]) + sum(fields[5:7])          # user, nice, system, irq, softirq
