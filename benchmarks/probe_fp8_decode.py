@@ -58,19 +58,26 @@ from bench_paged_decode import make_batch as make  # noqa: E402
 
 
 @triton.jit
-def probe_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, lse_ptr, sm_scale,
-               stride_qt, stride_qh, stride_table, num_kv_heads, num_splits,
-               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-               BLOCK_N: tl.constexpr, MODE: tl.constexpr, SCALES: tl.constexpr, V_T: tl.constexpr = False):
-    # MODE 0: fp16 dots (the engine's way); 1: fp8 dots (q and p in e4m3, row-scaled); 2: loads only
-    # V_T: V stored transposed within its page, [num_blocks, num_kv_heads, HEAD_DIM, BLOCK_SIZE]
+def program_keys(sl_ptr, num_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's sequence, KV head and split, its range of keys ``[start, end)`` (as the
+    engine's kernel cuts them) and the query heads of its GQA group (``head_mask``: the real ones)."""
     seq = tl.program_id(0); kv_head = tl.program_id(1); split = tl.program_id(2)
     seq_len = tl.load(sl_ptr + seq)
     tps = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * tps
     end = tl.minimum(start + tps, seq_len)
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    head_mask = tl.arange(0, GROUP_PAD) < GROUP
+    return seq, kv_head, split, start, end, heads, tl.arange(0, GROUP_PAD) < GROUP
+
+
+@triton.jit
+def probe_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, lse_ptr, sm_scale,
+               stride_qt, stride_qh, stride_table, num_kv_heads, num_splits,
+               GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               BLOCK_N: tl.constexpr, MODE: tl.constexpr, SCALES: tl.constexpr, V_T: tl.constexpr = False):
+    # MODE 0: fp16 dots (the engine's way); 1: fp8 dots (q and p in e4m3, row-scaled); 2: loads only
+    # V_T: V stored transposed within its page, [num_blocks, num_kv_heads, HEAD_DIM, BLOCK_SIZE]
+    seq, kv_head, split, start, end, heads, head_mask = program_keys(sl_ptr, num_splits, GROUP, GROUP_PAD, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=head_mask[:, None], other=0.0).to(tl.float32)
@@ -158,13 +165,7 @@ def swapped_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                    BLOCK_N: tl.constexpr, V_T: tl.constexpr, FP8_DOTS: tl.constexpr, LO: tl.constexpr,
                    K_HEAD_MAJOR: tl.constexpr):
-    seq = tl.program_id(0); kv_head = tl.program_id(1); split = tl.program_id(2)
-    seq_len = tl.load(sl_ptr + seq)
-    tps = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tps
-    end = tl.minimum(start + tps, seq_len)
-    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
-    head_mask = tl.arange(0, GROUP_PAD) < GROUP
+    seq, kv_head, split, start, end, heads, head_mask = program_keys(sl_ptr, num_splits, GROUP, GROUP_PAD, BLOCK_N)
     dims = tl.arange(0, HEAD_DIM)
     q_t = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[None, :] * stride_qh + dims[:, None],
                   mask=head_mask[None, :], other=0.0).to(tl.float32)              # [HEAD_DIM, GROUP_PAD]
@@ -237,38 +238,52 @@ def swapped_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr,
     tl.store(lse_ptr + row * num_splits + split, lse, mask=head_mask)
 
 
-def run_swapped(q, k8, v8, ks, vs, tables, seq_lens, splits, out, v_t=True, fp8_dots=False, lo=True,
-                k_head_major=False, block_n=128, warps=4, stages=3):
+def launch(kernel, q, k8, v8, ks, vs, tables, seq_lens, splits, out, block_n, warps, stages, **constants):
+    """Stage 1 (``kernel``, with the split kernel's arguments and ``constants``), then the engine's merge."""
     batch = q.shape[0]
     partial = torch.empty(batch, HEADS, splits, DIM, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, HEADS, splits, dtype=torch.float32, device=q.device)
-    swapped_kernel[(batch, KV_HEADS, splits)](q, k8, v8, ks, vs, tables, seq_lens, partial, lse, 1 / math.sqrt(DIM),
-                                            q.stride(0), q.stride(1), tables.stride(0), KV_HEADS, splits,
-                                            GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=DIM, BLOCK_SIZE=BS,
-                                            BLOCK_N=block_n, V_T=v_t, FP8_DOTS=fp8_dots, LO=lo,
-                                            K_HEAD_MAJOR=k_head_major, num_warps=warps, num_stages=stages)
+    kernel[(batch, KV_HEADS, splits)](q, k8, v8, ks, vs, tables, seq_lens, partial, lse, 1 / math.sqrt(DIM),
+                                      q.stride(0), q.stride(1), tables.stride(0), KV_HEADS, splits,
+                                      GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=DIM, BLOCK_SIZE=BS,
+                                      BLOCK_N=block_n, num_warps=warps, num_stages=stages, **constants)
     merge_splits_kernel[(batch * HEADS,)](partial, lse, out, splits, HEAD_DIM=DIM, SPLITS_PAD=triton.next_power_of_2(splits))
     return out
+
+
+def run_swapped(q, k8, v8, ks, vs, tables, seq_lens, splits, out, v_t=True, fp8_dots=False, lo=True,
+                k_head_major=False, block_n=128, warps=4, stages=3):
+    return launch(swapped_kernel, q, k8, v8, ks, vs, tables, seq_lens, splits, out, block_n, warps, stages,
+                  V_T=v_t, FP8_DOTS=fp8_dots, LO=lo, K_HEAD_MAJOR=k_head_major)
 
 
 def run_probe(q, k8, v8, ks, vs, tables, seq_lens, splits, out, mode, scales=True, block_n=128, warps=4, stages=3,
               v_t=False):
-    batch = q.shape[0]
-    partial = torch.empty(batch, HEADS, splits, DIM, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, HEADS, splits, dtype=torch.float32, device=q.device)
-    probe_kernel[(batch, KV_HEADS, splits)](q, k8, v8, ks, vs, tables, seq_lens, partial, lse, 1 / math.sqrt(DIM),
-                                          q.stride(0), q.stride(1), tables.stride(0), KV_HEADS, splits,
-                                          GROUP=HEADS // KV_HEADS, GROUP_PAD=16, HEAD_DIM=DIM, BLOCK_SIZE=BS,
-                                          BLOCK_N=block_n, MODE=mode, SCALES=scales, V_T=v_t, num_warps=warps,
-                                          num_stages=stages)
-    merge_splits_kernel[(batch * HEADS,)](partial, lse, out, splits, HEAD_DIM=DIM, SPLITS_PAD=triton.next_power_of_2(splits))
-    return out
+    return launch(probe_kernel, q, k8, v8, ks, vs, tables, seq_lens, splits, out, block_n, warps, stages,
+                  MODE=mode, SCALES=scales, V_T=v_t)
 
 
 def ref_out(q, k, v, tables, seq_len):
     """float32 attention of one query token per sequence over its pages, in order."""
     kk, vv = (t.float().repeat_interleave(HEADS // KV_HEADS, 1) for t in contiguous_kv(k, v, tables))
     return torch.nn.functional.scaled_dot_product_attention(q.float()[:, :, None], kk, vv)[:, :, 0]
+
+
+def time_variants(shape: str, splits: int, variants: dict, out, want=None, checked=lambda name: True) -> dict:
+    """do_bench medians of ``variants`` (the first is the baseline, ``bf16``), the error against
+    ``want`` (where given) of each ``checked`` variant's output, and times over the baseline's."""
+    row = {"shape": shape, "splits": splits}
+    for name, fn in variants.items():
+        fn()
+        torch.cuda.synchronize()
+        if want is not None and name != "bf16" and checked(name):
+            row[name + "_err"] = float(f"{((out.float() - want).norm() / want.norm()).item():.2e}")
+        row[name + "_us"] = round(do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3, 1)
+    for name in variants:
+        if name != "bf16":
+            row[name + "/bf16"] = round(row[name + "_us"] / row["bf16_us"], 3)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def variants_table(ncu: bool) -> list[dict]:
@@ -300,38 +315,11 @@ def variants_table(ncu: bool) -> list[dict]:
             return []
         want = ref_out(q, dequantize_kv(k8, ks, torch.float32), dequantize_kv(v8, vs, torch.float32), tables, seq_len) \
             if batch * seq_len <= 32 * 8192 else None
-        row = {"shape": f"{batch}x{seq_len}", "splits": splits}
-        for name, fn in variants.items():
-            fn()
-            torch.cuda.synchronize()
-            if want is not None and "loads" not in name and "no_scales" not in name:
-                row[name + "_err"] = float(f"{((out.float() - want).norm() / want.norm()).item():.2e}")
-            row[name + "_us"] = round(do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3, 1)
-        for name in variants:
-            if name != "bf16":
-                row[name + "/bf16"] = round(row[name + "_us"] / row["bf16_us"], 3)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        rows.append(time_variants(f"{batch}x{seq_len}", splits, variants, out, want,
+                                  checked=lambda name: "loads" not in name and "no_scales" not in name))
         del q, k, v, k8, v8, v8t, ks, vs
         torch.cuda.empty_cache()
     return rows
-
-
-def time_variants(shape: str, splits: int, variants: dict, out, want=None) -> dict:
-    """do_bench medians of ``variants`` (the first is the baseline, ``bf16``), each output's error
-    against ``want`` where given, and times over the baseline's."""
-    row = {"shape": shape, "splits": splits}
-    for name, fn in variants.items():
-        fn()
-        torch.cuda.synchronize()
-        if want is not None and name != "bf16":
-            row[name + "_err"] = float(f"{((out.float() - want).norm() / want.norm()).item():.2e}")
-        row[name + "_us"] = round(do_bench(fn, warmup=50, rep=300, return_mode="median") * 1e3, 1)
-    for name in variants:
-        if name != "bf16":
-            row[name + "/bf16"] = round(row[name + "_us"] / row["bf16_us"], 3)
-    print(json.dumps(row), flush=True)
-    return row
 
 
 def swapped_table() -> list[dict]:
