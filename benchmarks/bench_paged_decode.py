@@ -52,12 +52,14 @@ QUANT_SHAPES = [(32, 32768), (1, 131072), (8, 8192), (1, 32768), (32, 1024)]
 MAX_ERROR = 3e-2                                    # bf16: max |paged_decode - cuDNN| allowed before timing
 
 
-def make_batch(batch: int, seq_len: int):
-    blocks = seq_len // BLOCK_SIZE
+def make_batch(batch: int, seq_len: int, block_size: int = BLOCK_SIZE, shuffled: bool = True):
+    """A random bf16 batch of ``seq_len`` tokens a sequence: its pages shuffled over the pool (or in order)."""
+    blocks = seq_len // block_size
     num_blocks = batch * blocks
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    tables = torch.randperm(num_blocks, device="cuda").view(batch, blocks).to(torch.int32).contiguous()
+    ids = torch.randperm(num_blocks, device="cuda") if shuffled else torch.arange(num_blocks, device="cuda")
+    tables = ids.view(batch, blocks).to(torch.int32).contiguous()
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     return q, k_cache, v_cache, tables, seq_lens

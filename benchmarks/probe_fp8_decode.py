@@ -361,14 +361,7 @@ def pages_table() -> list[dict]:
     rows = []
     for batch, seq_len in [(32, 32768), (1, 131072), (8, 8192)]:
         for block_size, order in ((16, "shuffled"), (16, "in_order"), (128, "shuffled"), (128, "in_order")):
-            blocks = seq_len // block_size
-            k = torch.randn(batch * blocks, block_size, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
-            v = torch.randn_like(k)
-            ids = torch.randperm(batch * blocks, device="cuda") if order == "shuffled" else \
-                torch.arange(batch * blocks, device="cuda")
-            tables = ids.view(batch, blocks).to(torch.int32).contiguous()
-            seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device="cuda")
-            q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+            q, k, v, tables, seq_lens = make(batch, seq_len, block_size, shuffled=order == "shuffled")
             (k8, ks), (v8, vs) = quantize_kv(k, "fp8"), quantize_kv(v, "fp8")
             splits = choose_num_splits(batch, KV_HEADS, seq_len, 132)
             out = torch.empty_like(q)
