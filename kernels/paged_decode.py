@@ -41,6 +41,7 @@ from kvlab.kernel_plan import (  # noqa: F401
 )
 from kvlab.kernels.attention_checks import check_paged_decode_args  # noqa: F401  (re-exported)
 from kvlab.kernels.checks import grid_length  # noqa: F401  (re-exported)
+from kvlab.kernels.dequant import codes_ptx, codes_to_dot
 
 
 @triton.jit
@@ -65,6 +66,7 @@ def decode_split_kernel(
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32 rounding), else "tf32" (unused for 16-bit)
     KV_QUANT: tl.constexpr = False,  # the cache holds fp8/int8 values and a scale per (token, KV head)
     QUANT_DOT: tl.constexpr = tl.float32,  # KV_QUANT: the dots' input type (fp16 on a GPU)
+    CODES_PTX: tl.constexpr = "",  # KV_QUANT, fp16 dots on a GPU: "e4m3" or "int8" (codes_to_dot)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,24 +104,18 @@ def decode_split_kernel(
         slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         offs = slot[:, None] * row_stride + kv_head * HEAD_DIM + dims[None, :]
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
         if KV_QUANT:
             # Dequantise in registers, never in memory. The codes convert exactly to fp16 (e4m3
-            # and int8 values are fp16 numbers); a key's scale multiplies its score column
-            # after the dot, and a value's scale its probability column before the second dot.
-            # So the scales touch [GROUP_PAD, BLOCK_N] tiles, not the 8x larger K and V tiles.
+            # and int8 values are fp16 numbers), right after the load, so the tiles cross shared
+            # memory as fp16 (codes_to_dot says why that matters); a key's scale multiplies its
+            # score column after the dot, and a value's scale its probability column before the
+            # second dot. So the scales touch [GROUP_PAD, BLOCK_N] tiles, not the 8x larger K
+            # and V tiles.
             k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
-            k = k.to(QUANT_DOT)
-            # V is read whole (a key past the end reads page 0, a real slot) and its rows past
-            # the end are zeroed *after* the conversion. That order matters on a GPU: p @ v
-            # reduces over keys, so the MMA wants V's tile transposed, and with the conversion
-            # last Triton reads the 8-bit codes from shared memory one byte at a time (there is
-            # no 8-bit transposing ldmatrix on sm_90): the fp8 kernel ran no faster than bf16.
-            # Converted and masked first, the tile crosses shared memory as fp16 and
-            # ldmatrix.trans reads it, as in the bf16 kernel.
-            v = tl.where(valid[:, None], tl.load(v_cache_ptr + offs).to(QUANT_DOT), 0.0)
-        else:
-            v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
+            k = codes_to_dot(k, QUANT_DOT, CODES_PTX)
+            v = codes_to_dot(v, QUANT_DOT, CODES_PTX)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale   # [GROUP_PAD, BLOCK_N]
         if KV_QUANT:
@@ -242,7 +238,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=k_scale is not None,
-        QUANT_DOT=tl.float32 if q.dtype == torch.float32 else tl.float16, **launch)
+        QUANT_DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
+        CODES_PTX=codes_ptx(k_cache, torch.float16) if k_scale is not None and q.dtype != torch.float32 else "",
+        **launch)
     if not final:
         merge_splits_kernel[(batch * num_heads,)](partial, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   SPLITS_PAD=triton.next_power_of_2(num_splits))

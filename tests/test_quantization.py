@@ -357,3 +357,18 @@ def test_the_default_path_takes_no_scales(monkeypatch):
     seq_lens = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
     paged_decode(q, k_cache, v_cache, tables, seq_lens, num_splits=1)
     assert seen == dict(kv_quant=False, scales=(None, None))
+
+
+def test_codes_go_through_ptx_only_in_compiled_fp16_dots():
+    """The inline-PTX conversion (kvlab.kernels.dequant) is chosen for fp8/int8 codes going into
+    fp16 dots on a GPU, never in the interpreter (which runs no PTX) nor for float32 dots."""
+    from kvlab.kernels.dequant import codes_ptx
+
+    for dtype in (torch.float8_e4m3fn, torch.int8):
+        assert codes_ptx(torch.zeros(4, dtype=dtype), torch.float16) == ""
+    if torch.cuda.is_available():
+        fp8 = torch.zeros(4, device="cuda", dtype=torch.float8_e4m3fn)
+        assert codes_ptx(fp8, torch.float16) == ("e4m3" if torch.cuda.get_device_capability() >= (8, 9) else "")
+        assert codes_ptx(torch.zeros(4, device="cuda", dtype=torch.int8), torch.float16) == "int8"
+        assert codes_ptx(fp8, torch.float32) == ""
+        assert codes_ptx(torch.zeros(4, device="cuda", dtype=torch.bfloat16), torch.float16) == ""
