@@ -27,9 +27,12 @@ def codes_to_dot(codes, DOT: tl.constexpr, PTX: tl.constexpr):
     8-bit codes are then read back from shared memory a few bytes at a time and shuffled into
     place, several instructions for every useful one. Marked impure (``is_pure=False``), the
     conversion stays where it is written: once, right after the load, and the tile crosses shared
-    memory as fp16, read by ``ldmatrix`` like a 16-bit tile. Compiled for an H200 (sm_90), the
-    decode loop (``paged_decode``) went from 1,386 to 856 instructions per warp and tile with fp8
-    codes, from 1,782 to 1,049 with int8.
+    memory as fp16, read by ``ldmatrix`` like a 16-bit tile. That suits a tile that must be
+    transposed on the way (V, in ``p @ v``); a tile already in the product's layout (fp8 K, in
+    ``q @ k.T``) is better left to Triton: it crosses shared memory as bytes, a third of the
+    traffic. Compiled for an H200 (sm_90), ``paged_decode``'s loop went from 1,386 to 897
+    instructions per warp and tile with fp8 codes (V pinned), from 1,782 to 1,049 with int8
+    (K and V).
     """
     if PTX == "e4m3":
         return tl.inline_asm_elementwise(

@@ -107,14 +107,23 @@ def decode_split_kernel(
         v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
         if KV_QUANT:
             # Dequantise in registers, never in memory. The codes convert exactly to fp16 (e4m3
-            # and int8 values are fp16 numbers), right after the load, so the tiles cross shared
-            # memory as fp16 (codes_to_dot says why that matters); a key's scale multiplies its
-            # score column after the dot, and a value's scale its probability column before the
-            # second dot. So the scales touch [GROUP_PAD, BLOCK_N] tiles, not the 8x larger K
-            # and V tiles.
+            # and int8 values are fp16 numbers); a key's scale multiplies its score column after
+            # the dot, and a value's scale its probability column before the second dot. So the
+            # scales touch [GROUP_PAD, BLOCK_N] tiles, not the 8x larger K and V tiles.
             k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
-            k = codes_to_dot(k, QUANT_DOT, CODES_PTX)
+            # Each tile crosses shared memory on its way to the tensor cores. K's rows are laid
+            # out as q @ k.T wants them, so fp8 codes cross as they are, one byte each, and are
+            # converted as the product reads them. p @ v sums over keys: V's tile must be
+            # transposed, which only a 16-bit tile can be on the way (ldmatrix.trans), so its
+            # codes are converted first, and cross as fp16 (codes_to_dot pins the conversion
+            # there). Converting K first too costs shared-memory traffic, which bounds this loop:
+            # 0.97-1.00 of bf16's time at long contexts against 0.81 (H200). int8 codes take more
+            # instructions to convert where Triton puts them: both are converted first.
+            if CODES_PTX == "e4m3":
+                k = k.to(QUANT_DOT)
+            else:
+                k = codes_to_dot(k, QUANT_DOT, CODES_PTX)
             v = codes_to_dot(v, QUANT_DOT, CODES_PTX)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale   # [GROUP_PAD, BLOCK_N]
