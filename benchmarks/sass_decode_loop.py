@@ -1,0 +1,133 @@
+"""How many instructions does paged_decode's loop take, per warp and tile? (no GPU needed)
+
+    python benchmarks/sass_decode_loop.py [--kv-cache-dtype fp8|int8|bf16] [--block-n 128]
+                                          [--num-warps 4] [--num-stages 3] [--ops 12]
+
+Compiles ``decode_split_kernel`` for an H200 (sm_90) with the Triton installed here (its wheel
+carries ``ptxas`` and ``nvdisasm``), at the benchmarks' shape (32 query / 8 KV heads, head_dim
+128, pages of 16), and counts the machine instructions (SASS) of its loop over tiles: what one
+warp executes per tile of keys, by opcode. The counts in ``benchmarks/RESULTS.md`` (2026-12-02,
+fourth session) came from Triton 3.6, the GPU machine's version, which needs nothing else:
+
+    python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
+    /tmp/t36/bin/python benchmarks/sass_decode_loop.py --kv-cache-dtype fp8
+
+The kernel's source is read from ``kernels/`` rather than imported: importing kvlab on a
+machine without a GPU switches Triton to its CPU interpreter, and needs torch.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import importlib.util
+import os
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+KERNELS = Path(__file__).resolve().parent.parent / "kernels"
+CODES = {"fp8": "fp8e4nv", "int8": "i8", "bf16": "bf16"}
+
+
+def jit_functions(workdir: Path, *files: str):
+    """A module of the ``@triton.jit`` functions of ``files`` (in ``kernels/``), their source copied
+    into ``workdir`` (Triton reads a kernel's source from its file)."""
+    text = ["import triton", "import triton.language as tl", ""]
+    for name in files:
+        if not (KERNELS / name).exists():    # an older checkout
+            continue
+        lines = (KERNELS / name).read_text().splitlines()
+        for node in ast.parse("\n".join(lines)).body:
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                start = min(d.lineno for d in node.decorator_list)
+                text += lines[start - 1:node.end_lineno] + ["", ""]
+    path = workdir / "decode_kernels.py"
+    path.write_text("\n".join(text))
+    spec = importlib.util.spec_from_file_location("decode_kernels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compile_decode(workdir: Path, fmt: str, block_n: int, num_warps: int, num_stages: int):
+    kernel = jit_functions(workdir, "dequant.py", "paged_decode.py").decode_split_kernel
+    quant = fmt != "bf16"
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": "*" + CODES[fmt], "v_cache_ptr": "*" + CODES[fmt],
+           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+           "out_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
+           "stride_table": "i32", "num_kv_heads": "i32", "num_splits": "i32"}
+    constexprs = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_FINAL=False,
+                      DOT_PRECISION="tf32", KV_QUANT=quant, QUANT_DOT=tl.float16 if quant else tl.float32,
+                      CODES_PTX={"fp8": "e4m3", "int8": "int8"}.get(fmt, ""))
+    if not quant:
+        constexprs.update(k_scale_ptr=None, v_scale_ptr=None)
+    if "CODES_PTX" not in kernel.arg_names:  # an older checkout's kernel
+        del constexprs["CODES_PTX"]
+    sig.update({name: "constexpr" for name in constexprs})
+    # What the launcher's specialisation tells the compiler: pointers and strides are multiples of 16.
+    names = list(sig)
+    aligned = [n for n in names if sig[n].startswith("*")] + ["stride_qt", "stride_qh", "stride_table"]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    source = ASTSource(kernel, signature=sig, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def loop_opcodes(cubin: bytes, workdir: Path) -> tuple[list[str], str]:
+    """The opcodes of the longest loop (the span of its backward branch) in ``cubin``, and the
+    tool's report of registers."""
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    path = workdir / "decode.cubin"
+    path.write_bytes(cubin)
+    listing = subprocess.run([tools / "nvdisasm", "-c", path], capture_output=True, text=True, check=True).stdout
+    usage = subprocess.run([tools / "cuobjdump", "-res-usage", path], capture_output=True, text=True).stdout
+    labels, pending, code = {}, [], []
+    for line in listing.splitlines():
+        if m := re.match(r"^\s*\.(L_x_\d+):", line):
+            pending.append(m.group(1))
+        elif m := re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line):
+            address = int(m.group(1), 16)
+            labels.update({label: address for label in pending})
+            pending = []
+            code.append((address, m.group(2)))
+    loops = [(labels[m.group(1)], address) for address, text in code
+             if (m := re.search(r"BRA\b.*?\.(L_x_\d+)", text)) and labels.get(m.group(1), address + 1) < address]
+    if not loops:
+        raise SystemExit("no loop found in the compiled kernel")
+    start, end = max(loops, key=lambda span: span[1] - span[0])
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for address, text in code
+           if start <= address <= end]
+    registers = re.search(r"REG:(\d+)", usage)
+    return ops, registers.group(1) if registers else "?"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kv-cache-dtype", choices=list(CODES), default="fp8")
+    parser.add_argument("--block-n", type=int, default=128)
+    parser.add_argument("--num-warps", type=int, default=None, help="default: the launcher's (4 quantised, 8 bf16)")
+    parser.add_argument("--num-stages", type=int, default=3)
+    parser.add_argument("--ops", type=int, default=12, help="how many opcodes to list")
+    args = parser.parse_args()
+    warps = args.num_warps or (8 if args.kv_cache_dtype == "bf16" else 4)
+    with tempfile.TemporaryDirectory() as tmp:
+        compiled = compile_decode(Path(tmp), args.kv_cache_dtype, args.block_n, warps, args.num_stages)
+        ops, registers = loop_opcodes(compiled.asm["cubin"], Path(tmp))
+    counts = collections.Counter(ops)
+    print(f"Triton {triton.__version__}, sm_90: decode_split_kernel, {args.kv_cache_dtype}, block_n {args.block_n}, "
+          f"{warps} warps, {args.num_stages} stages")
+    print(f"loop: {len(ops)} instructions per warp and tile; {registers} registers a thread, "
+          f"{compiled.metadata.shared} bytes of shared memory")
+    print("  ".join(f"{op} {n}" for op, n in counts.most_common(args.ops)))
+
+
+if __name__ == "__main__":
+    main()
