@@ -241,14 +241,14 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     partial = out if final else torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
                                             device=q.device)
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    quant_dot = torch.float32 if q.dtype == torch.float32 else torch.float16   # the dots' type over codes
     decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, partial, lse, sm_scale,
         q.stride(0), q.stride(1), block_tables.stride(0), num_kv_heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=k_scale is not None,
-        QUANT_DOT=tl.float32 if q.dtype == torch.float32 else tl.float16,
-        CODES_PTX=codes_ptx(k_cache, torch.float16) if k_scale is not None and q.dtype != torch.float32 else "",
+        QUANT_DOT=tl.float32 if quant_dot == torch.float32 else tl.float16, CODES_PTX=codes_ptx(k_cache, quant_dot),
         **launch)
     if not final:
         merge_splits_kernel[(batch * num_heads,)](partial, lse, out, num_splits, HEAD_DIM=head_dim,
