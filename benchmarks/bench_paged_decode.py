@@ -20,7 +20,9 @@ it, and checked against cuDNN's before it is timed.
 
 ``--kv-cache-dtype fp8[,int8]`` (``quantized`` in the JSON): the engine's call over a quantised
 copy of the same cache (values and a float32 scale per token and KV head) against the bf16
-call, at QUANT_SHAPES; each output is checked against cuDNN on the dequantised K/V first.
+call, at QUANT_SHAPES; each output is checked against cuDNN on the dequantised K/V first. Both
+calls are timed eagerly (``time_vs_bf16``) and as CUDA-graph replays (``graph_time_vs_bf16``: the
+kernels alone, without the host's launch time).
 """
 from __future__ import annotations
 
@@ -230,8 +232,18 @@ def quantized(batch: int, seq_len: int, kv_cache_dtype: str, num_sms: int) -> di
     if isinstance(quant, float):
         row.update(quant_us=round(quant * 1e6, 1), quant_TBps=round(quant_bytes / quant / 1e12, 2),
                    time_vs_bf16=round(quant / bf16, 3))
+        # The same two calls replayed from CUDA graphs: no launch gaps, only the kernels (at the
+        # small shapes the host's launch time is a large, noisy share of an eager call).
+        bf16_graph = graph_seconds(lambda: paged_decode(b.q, b.k_cache, b.v_cache, b.tables, b.seq_lens, splits,
+                                                        validate=False, out=out))
+        quant_graph = graph_seconds(lambda: paged_decode(b.q, b.k8, b.v8, b.tables, b.seq_lens, splits,
+                                                         validate=False, out=out, k_scale=b.k_scale,
+                                                         v_scale=b.v_scale))
+        row.update(bf16_graph_us=round(bf16_graph * 1e6, 1), quant_graph_us=round(quant_graph * 1e6, 1),
+                   graph_time_vs_bf16=round(quant_graph / bf16_graph, 3))
     else:
-        row.update(quant_us=quant, quant_TBps="-", time_vs_bf16="-")
+        row.update(quant_us=quant, quant_TBps="-", time_vs_bf16="-", bf16_graph_us="-", quant_graph_us="-",
+                   graph_time_vs_bf16="-")
     print(row, flush=True)
     del b, out
     torch.cuda.empty_cache()

@@ -6,8 +6,8 @@
 Compiles ``decode_split_kernel`` for an H200 (sm_90) with the Triton installed here (its wheel
 carries ``ptxas`` and ``nvdisasm``), at the benchmarks' shape (32 query / 8 KV heads, head_dim
 128, pages of 16), and counts the machine instructions (SASS) of its loop over tiles: what one
-warp executes per tile of keys, by opcode. The counts in ``benchmarks/RESULTS.md`` (2026-12-02,
-fourth session) came from Triton 3.6, the GPU machine's version, which needs nothing else:
+warp executes per tile of keys, by opcode. The counts in ``benchmarks/RESULTS.md`` (2026-12-02, fourth
+session on) came from Triton 3.6, the GPU machine's version, which needs nothing else:
 
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     /tmp/t36/bin/python benchmarks/sass_decode_loop.py --kv-cache-dtype fp8
@@ -114,16 +114,17 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=list(CODES), default="fp8")
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--num-warps", type=int, default=None, help="default: the launcher's (4 quantised, 8 bf16)")
-    parser.add_argument("--num-stages", type=int, default=3)
+    parser.add_argument("--num-stages", type=int, default=None, help="default: the launcher's (3 fp8, 2 else)")
     parser.add_argument("--ops", type=int, default=12, help="how many opcodes to list")
     args = parser.parse_args()
     warps = args.num_warps or (8 if args.kv_cache_dtype == "bf16" else 4)
+    stages = args.num_stages or (3 if args.kv_cache_dtype == "fp8" else 2)
     with tempfile.TemporaryDirectory() as tmp:
-        compiled = compile_decode(Path(tmp), args.kv_cache_dtype, args.block_n, warps, args.num_stages)
+        compiled = compile_decode(Path(tmp), args.kv_cache_dtype, args.block_n, warps, stages)
         ops, registers = loop_opcodes(compiled.asm["cubin"], Path(tmp))
     counts = collections.Counter(ops)
     print(f"Triton {triton.__version__}, sm_90: decode_split_kernel, {args.kv_cache_dtype}, block_n {args.block_n}, "
-          f"{warps} warps, {args.num_stages} stages")
+          f"{warps} warps, {stages} stages")
     print(f"loop: {len(ops)} instructions per warp and tile; {registers} registers a thread, "
           f"{compiled.metadata.shared} bytes of shared memory")
     print("  ".join(f"{op} {n}" for op, n in counts.most_common(args.ops)))

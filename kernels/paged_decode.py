@@ -92,15 +92,24 @@ def decode_split_kernel(
         # the conversions, not the bytes, would set the pace); a query's values fit fp16.
         q = q.to(QUANT_DOT)
 
+    # Scores are kept in base 2: exp(x) = exp2(x * log2(e)), and log2(e) joins the softmax
+    # scale, so each score costs one multiply before its exp2.
+    qk_scale = sm_scale * 1.4426950408889634
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)  # running max of the scores
-    l = tl.zeros([GROUP_PAD], tl.float32)                 # running sum of exp(score - m)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)     # running sum of exp(score - m) * v
+    l = tl.zeros([GROUP_PAD], tl.float32)                 # running sum of exp2(score - m)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)     # running sum of exp2(score - m) * v
     row_stride = num_kv_heads * HEAD_DIM                  # elements between two token slots
+    table = block_tables_ptr + seq * stride_table
+    # Through the block table: logical position -> physical page. Each tile's entries are read
+    # one tile ahead, so a tile's K/V addresses are known a whole iteration before its loads,
+    # and Triton issues tile i+1's loads while tile i is computed (num_stages buffers). Read in
+    # the same iteration, the loads wait on the table, and each tile's start only when the last
+    # one's are done (on an H200, fp8 went from 0.81 to 0.77 of bf16's time at 32 x 32K).
+    pos = start + tl.arange(0, BLOCK_N)
+    page = tl.load(table + pos // BLOCK_SIZE, mask=pos < end, other=0)
     for tile in range(start, end, BLOCK_N):
         pos = tile + tl.arange(0, BLOCK_N)
         valid = pos < end
-        # Through the block table: logical position -> physical slot of the paged cache.
-        page = tl.load(block_tables_ptr + seq * stride_table + pos // BLOCK_SIZE, mask=valid, other=0)
         slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         offs = slot[:, None] * row_stride + kv_head * HEAD_DIM + dims[None, :]
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
@@ -118,7 +127,7 @@ def decode_split_kernel(
             # transposed, which only a 16-bit tile can be on the way (ldmatrix.trans), so its
             # codes are converted first, and cross as fp16 (codes_to_dot pins the conversion
             # there). Converting K first too costs shared-memory traffic, which bounds this loop:
-            # 0.97-1.00 of bf16's time at long contexts against 0.81 (H200). int8 codes take more
+            # 0.98-1.00 of bf16's time at long contexts against 0.73 (H200). int8 codes take more
             # instructions to convert where Triton puts them: both are converted first.
             if CODES_PTX == "e4m3":
                 k = k.to(QUANT_DOT)
@@ -126,25 +135,29 @@ def decode_split_kernel(
                 k = codes_to_dot(k, QUANT_DOT, CODES_PTX)
             v = codes_to_dot(v, QUANT_DOT, CODES_PTX)
 
-        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32) * sm_scale   # [GROUP_PAD, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)   # [GROUP_PAD, BLOCK_N]
         if KV_QUANT:
-            scores = scores * k_scale[None, :]
+            scores = scores * (k_scale * qk_scale)[None, :]
+        else:
+            scores = scores * qk_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        # Online softmax: a larger max rescales what was summed so far by exp(m_old - m_new).
+        # Online softmax: a larger max rescales what was summed so far by exp2(m_old - m_new).
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         if KV_QUANT:
             p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m = m_new
+        next_pos = pos + BLOCK_N
+        page = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < end, other=0)
 
     # An empty range (a split past the end of a short sequence) leaves l = 0: it must carry
     # zero weight in the merge, hence lse = -inf and a zero output.
     empty = l == 0.0
     out = acc / tl.where(empty, 1.0, l)[:, None]
-    lse = tl.where(empty, float("-inf"), m + tl.log(tl.where(empty, 1.0, l)))
+    lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, l))) * 0.6931471805599453)  # base e
     row = seq * num_kv_heads * GROUP + heads
     if WRITE_FINAL:
         tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
@@ -226,16 +239,21 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
         return out
     if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's smallest tile), got {block_n!r}")
-    # On a GPU: 128-token tiles, 8 warps, 3 stages in flight won an H200 sweep
-    # (benchmarks/tune_attention.py) at both long-batch and one-long-sequence shapes.
+    # On a GPU: 128-token tiles (an H200 sweep, benchmarks/tune_attention.py, at both long-batch
+    # and one-long-sequence shapes).
     block_n = block_n or (GPU_BLOCK_N if q.is_cuda else INTERPRETER_BLOCK_N)
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = longest if longest is not None else grid_length(seq_lens, None, "max_seq_len", False)
         num_splits = _planned_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n)
     if q.is_cuda:
-        # a quantised cache: half the bytes a tile, and 4 warps won the H200 sweep there
-        num_warps, num_stages = num_warps or (4 if k_scale is not None else 8), num_stages or 3
+        # 8 warps for bf16, 4 for a quantised cache (half the bytes a tile), and as many K/V
+        # buffers in flight as leave two programs an SM: num_stages 3 (two tiles loading while
+        # one is computed) fits in 108 KB with fp8, whose K codes cross shared memory as they
+        # are; bf16 and int8 take 2. (H200 sweeps; benchmarks/RESULTS.md, 2026-12-02.)
+        fp8 = k_cache.dtype == torch.float8_e4m3fn
+        num_warps = num_warps or (4 if k_scale is not None else 8)
+        num_stages = num_stages or (3 if fp8 else 2)
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     final = num_splits == 1
     partial = out if final else torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
