@@ -6,8 +6,9 @@
 Compiles ``decode_split_kernel`` for an H200 (sm_90) with the Triton installed here (its wheel
 carries ``ptxas`` and ``nvdisasm``), at the benchmarks' shape (32 query / 8 KV heads, head_dim
 128, pages of 16), and counts the machine instructions (SASS) of its loop over tiles: what one
-warp executes per tile of keys, by opcode. The counts in ``benchmarks/RESULTS.md`` (2026-12-02, fourth
-session on) came from Triton 3.6, the GPU machine's version, which needs nothing else:
+warp executes per tile of keys, by opcode. The counts in ``benchmarks/RESULTS.md`` (from
+2026-12-02's fourth session on) came from Triton 3.6, the GPU machine's version, which needs
+nothing else:
 
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     /tmp/t36/bin/python benchmarks/sass_decode_loop.py --kv-cache-dtype fp8

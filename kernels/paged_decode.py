@@ -248,9 +248,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
         num_splits = _planned_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n)
     if q.is_cuda:
         # 8 warps for bf16, 4 for a quantised cache (half the bytes a tile), and as many K/V
-        # buffers in flight as leave two programs an SM: num_stages 3 (two tiles loading while
-        # one is computed) fits in 108 KB with fp8, whose K codes cross shared memory as they
-        # are; bf16 and int8 take 2. (H200 sweeps; benchmarks/RESULTS.md, 2026-12-02.)
+        # buffers as still leave two programs an SM: fp8's K codes cross shared memory as they
+        # are, and 3 stages (two tiles loading while one is computed) fit in 108 KB; bf16's and
+        # int8's would take 137-139 KB, one program an SM, so they take 2. (H200 sweeps;
+        # benchmarks/RESULTS.md, 2026-12-02.)
         fp8 = k_cache.dtype == torch.float8_e4m3fn
         num_warps = num_warps or (4 if k_scale is not None else 8)
         num_stages = num_stages or (3 if fp8 else 2)
