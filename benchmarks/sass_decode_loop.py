@@ -115,11 +115,11 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", choices=list(CODES), default="fp8")
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--num-warps", type=int, default=None, help="default: the launcher's (4 quantised, 8 bf16)")
-    parser.add_argument("--num-stages", type=int, default=None, help="default: the launcher's (3 fp8, 2 else)")
+    parser.add_argument("--num-stages", type=int, default=None, help="default: the launcher's (3 quantised, 2 bf16)")
     parser.add_argument("--ops", type=int, default=12, help="how many opcodes to list")
     args = parser.parse_args()
     warps = args.num_warps or (8 if args.kv_cache_dtype == "bf16" else 4)
-    stages = args.num_stages or (3 if args.kv_cache_dtype == "fp8" else 2)
+    stages = args.num_stages or (2 if args.kv_cache_dtype == "bf16" else 3)
     with tempfile.TemporaryDirectory() as tmp:
         compiled = compile_decode(Path(tmp), args.kv_cache_dtype, args.block_n, warps, stages)
         ops, registers = loop_opcodes(compiled.asm["cubin"], Path(tmp))

@@ -13,7 +13,7 @@ import triton.language as tl
 
 
 @triton.jit
-def codes_to_dot(codes, DOT: tl.constexpr, PTX: tl.constexpr):
+def codes_to_dot(codes, DOT: tl.constexpr, PTX: tl.constexpr, PIN: tl.constexpr = True):
     """``codes`` converted to ``DOT``. ``PTX`` ("e4m3" or "int8" codes to fp16, on a GPU; "" for
     a plain ``.to``) converts four codes at a time in a few lines of inline PTX:
 
@@ -22,29 +22,30 @@ def codes_to_dot(codes, DOT: tl.constexpr, PTX: tl.constexpr):
       byte 0x64, which makes the fp16 number ``1024 + (x + 128)``; one fp16 subtraction of 1152
       per pair leaves ``x``. Five instructions for four codes, against one conversion each.
 
-    Why not ``codes.to(tl.float16)``? A tile on its way to ``tl.dot`` crosses shared memory, and
-    Triton moves a plain conversion of a loaded tile past that crossing, to the dot's operand: the
-    8-bit codes are then read back from shared memory a few bytes at a time and shuffled into
-    place, several instructions for every useful one. Marked impure (``is_pure=False``), the
-    conversion stays where it is written: once, right after the load, and the tile crosses shared
-    memory as fp16, read by ``ldmatrix`` like a 16-bit tile. That suits a tile that must be
-    transposed on the way (V, in ``p @ v``); a tile already in the product's layout (fp8 K, in
-    ``q @ k.T``) is better left to Triton: it crosses shared memory as bytes, a third of the
-    traffic. Compiled for an H200 (sm_90), ``paged_decode``'s loop went from 1,386 to 897
-    instructions per warp and tile with fp8 codes (V pinned), from 1,782 to 1,049 with int8
-    (K and V).
+    ``PIN``: where the conversion happens. A tile on its way to ``tl.dot`` crosses shared memory,
+    and Triton moves a plain conversion of a loaded tile (``.to``, or this PTX marked pure) past
+    that crossing, to the dot's operand: the tile crosses as codes, a byte each, and is converted
+    as the product reads it. That suits a tile already laid out as the product wants it (K, in
+    ``q @ k.T``): a third of the shared-memory traffic. A tile that must be transposed on the way
+    (V, in ``p @ v``) does not suit it: 8-bit codes have no transposing ``ldmatrix`` on Hopper, so
+    they are read back a few bytes at a time and shuffled into place, several instructions for
+    every useful one. Pinned (``PIN=True``, the PTX marked impure), the conversion stays where it
+    is written, right after the load, and the tile crosses shared memory as fp16, read by
+    ``ldmatrix.trans`` like a 16-bit tile. Compiled for an H200 (sm_90), ``paged_decode``'s loop
+    went from 1,386 to 897 instructions per warp and tile with fp8 codes (V pinned, K not),
+    from 1,782 to 1,020 with int8.
     """
     if PTX == "e4m3":
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
             "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4)
+            "=r,=r,r", [codes], dtype=tl.float16, is_pure=not PIN, pack=4)
     elif PTX == "int8":
         return tl.inline_asm_elementwise(
             "{ .reg .b32 t, m; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64806480; "
             "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
             "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=False, pack=4)
+            "=r,=r,r", [codes], dtype=tl.float16, is_pure=not PIN, pack=4)
     else:
         return codes.to(DOT)
 

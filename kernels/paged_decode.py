@@ -122,18 +122,14 @@ def decode_split_kernel(
             k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
             v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
             # Each tile crosses shared memory on its way to the tensor cores. K's rows are laid
-            # out as q @ k.T wants them, so fp8 codes cross as they are, one byte each, and are
+            # out as q @ k.T wants them, so its codes cross as they are, one byte each, and are
             # converted as the product reads them. p @ v sums over keys: V's tile must be
             # transposed, which only a 16-bit tile can be on the way (ldmatrix.trans), so its
-            # codes are converted first, and cross as fp16 (codes_to_dot pins the conversion
-            # there). Converting K first too costs shared-memory traffic, which bounds this loop:
-            # 0.98-1.00 of bf16's time at long contexts against 0.73 (H200). int8 codes take more
-            # instructions to convert where Triton puts them: both are converted first.
-            if CODES_PTX == "e4m3":
-                k = k.to(QUANT_DOT)
-            else:
-                k = codes_to_dot(k, QUANT_DOT, CODES_PTX)
-            v = codes_to_dot(v, QUANT_DOT, CODES_PTX)
+            # codes are converted first, and cross as fp16 (PIN, see codes_to_dot). Converting K
+            # first too costs shared-memory traffic and space, which bound this loop: fp8 took
+            # 0.98-1.00 of bf16's time at long contexts that way, against 0.73 (H200).
+            k = codes_to_dot(k, QUANT_DOT, CODES_PTX, PIN=False)
+            v = codes_to_dot(v, QUANT_DOT, CODES_PTX, PIN=True)
 
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)   # [GROUP_PAD, BLOCK_N]
         if KV_QUANT:
@@ -248,13 +244,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
         num_splits = _planned_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n)
     if q.is_cuda:
         # 8 warps for bf16, 4 for a quantised cache (half the bytes a tile), and as many K/V
-        # buffers as still leave two programs an SM: fp8's K codes cross shared memory as they
-        # are, and 3 stages (two tiles loading while one is computed) fit in 108 KB; bf16's and
-        # int8's would take 137-139 KB, one program an SM, so they take 2. (H200 sweeps;
+        # buffers as still leave two programs an SM: with K's codes crossing shared memory as
+        # they are, 3 stages (two tiles loading while one is computed) fit in 108 KB; bf16's
+        # would take 139 KB, one program an SM, so it takes 2. (H200 sweeps;
         # benchmarks/RESULTS.md, 2026-12-02.)
-        fp8 = k_cache.dtype == torch.float8_e4m3fn
         num_warps = num_warps or (4 if k_scale is not None else 8)
-        num_stages = num_stages or (3 if fp8 else 2)
+        num_stages = num_stages or (3 if k_scale is not None else 2)
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     final = num_splits == 1
     partial = out if final else torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
