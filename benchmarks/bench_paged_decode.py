@@ -222,10 +222,16 @@ def quantized(batch: int, seq_len: int, kv_cache_dtype: str, num_sms: int) -> di
     b = quantized_batch(batch, seq_len, kv_cache_dtype)
     splits = choose_num_splits(batch, KV_HEADS, seq_len, num_sms)
     out = torch.empty_like(b.q)
-    bf16 = bench(lambda: paged_decode(b.q, b.k_cache, b.v_cache, b.tables, b.seq_lens, splits, validate=False,
-                                      out=out))
-    quant = checked_seconds(lambda: paged_decode(b.q, b.k8, b.v8, b.tables, b.seq_lens, splits, validate=False,
-                                                 out=out, k_scale=b.k_scale, v_scale=b.v_scale), out, b.want)
+
+    def bf16_call():
+        return paged_decode(b.q, b.k_cache, b.v_cache, b.tables, b.seq_lens, splits, validate=False, out=out)
+
+    def quant_call():
+        return paged_decode(b.q, b.k8, b.v8, b.tables, b.seq_lens, splits, validate=False, out=out,
+                            k_scale=b.k_scale, v_scale=b.v_scale)
+
+    bf16 = bench(bf16_call)
+    quant = checked_seconds(quant_call, out, b.want)
     quant_bytes = 2 * batch * seq_len * KV_HEADS * (DIM + 4)        # one byte a value, a float32 scale a row
     row = {"kv_cache_dtype": kv_cache_dtype, "batch": batch, "seq_len": seq_len, "num_splits": splits,
            "bf16_us": round(bf16 * 1e6, 1), "bf16_TBps": round(kv_tbps(batch, seq_len, bf16), 2)}
@@ -234,11 +240,7 @@ def quantized(batch: int, seq_len: int, kv_cache_dtype: str, num_sms: int) -> di
                    time_vs_bf16=round(quant / bf16, 3))
         # The same two calls replayed from CUDA graphs: no launch gaps, only the kernels (at the
         # small shapes the host's launch time is a large, noisy share of an eager call).
-        bf16_graph = graph_seconds(lambda: paged_decode(b.q, b.k_cache, b.v_cache, b.tables, b.seq_lens, splits,
-                                                        validate=False, out=out))
-        quant_graph = graph_seconds(lambda: paged_decode(b.q, b.k8, b.v8, b.tables, b.seq_lens, splits,
-                                                         validate=False, out=out, k_scale=b.k_scale,
-                                                         v_scale=b.v_scale))
+        bf16_graph, quant_graph = graph_seconds(bf16_call), graph_seconds(quant_call)
         row.update(bf16_graph_us=round(bf16_graph * 1e6, 1), quant_graph_us=round(quant_graph * 1e6, 1),
                    graph_time_vs_bf16=round(quant_graph / bf16_graph, 3))
     else:
