@@ -1,12 +1,14 @@
 """How many instructions does paged_decode's loop take, per warp and tile? (no GPU needed)
 
     python benchmarks/sass_decode_loop.py [--kv-cache-dtype fp8|int8|bf16] [--block-n 128]
-                                          [--num-warps 4] [--num-stages 3] [--ops 12]
+                                          [--num-warps 4] [--num-stages 3] [--maxnreg N] [--ops 12]
 
 Compiles ``decode_split_kernel`` for an H200 (sm_90) with the Triton installed here (its wheel
 carries ``ptxas`` and ``nvdisasm``), at the benchmarks' shape (32 query / 8 KV heads, head_dim
 128, pages of 16), and counts the machine instructions (SASS) of its loop over tiles: what one
-warp executes per tile of keys, by opcode. The counts in ``benchmarks/RESULTS.md`` (from
+warp executes per tile of keys, by opcode, per key over all of a program's warps (to compare
+launches), and how many programs an SM can hold with the registers and shared memory the kernel
+takes (what hides a loop's latency is warps in flight). The counts in ``benchmarks/RESULTS.md`` (from
 2026-12-02's fourth session on) came from Triton 3.6, the GPU machine's version, which needs
 nothing else:
 
@@ -58,7 +60,8 @@ def jit_functions(workdir: Path, *files: str):
     return module
 
 
-def compile_decode(workdir: Path, fmt: str, block_n: int, num_warps: int, num_stages: int):
+def compile_decode(workdir: Path, fmt: str, block_n: int, num_warps: int, num_stages: int,
+                   maxnreg: int | None = None):
     kernel = jit_functions(workdir, "dequant.py", "paged_decode.py").decode_split_kernel
     quant = fmt != "bf16"
     sig = {"q_ptr": "*bf16", "k_cache_ptr": "*" + CODES[fmt], "v_cache_ptr": "*" + CODES[fmt],
@@ -79,7 +82,8 @@ def compile_decode(workdir: Path, fmt: str, block_n: int, num_warps: int, num_st
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source = ASTSource(kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+                          options=dict(num_warps=num_warps, num_stages=num_stages,
+                                       **({"maxnreg": maxnreg} if maxnreg else {})))
 
 
 def loop_opcodes(cubin: bytes, workdir: Path) -> tuple[list[str], str]:
@@ -110,24 +114,44 @@ def loop_opcodes(cubin: bytes, workdir: Path) -> tuple[list[str], str]:
     return ops, registers.group(1) if registers else "?"
 
 
+def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> tuple[int, int]:
+    """How many programs of this kernel one H200 SM (sm_90) holds: (by registers, by shared memory).
+
+    An SM has 65,536 registers, given out to each warp in blocks of 256, and 228 KB of shared
+    memory, 1 KB of it reserved per program; it holds at most 64 warps and 32 programs."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_registers = 65536 // (per_warp * num_warps)
+    by_shared = 228 * 1024 // (shared_bytes + 1024)
+    cap = min(32, 64 // num_warps)
+    return min(by_registers, cap), min(by_shared, cap)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-cache-dtype", choices=list(CODES), default="fp8")
     parser.add_argument("--block-n", type=int, default=128)
     parser.add_argument("--num-warps", type=int, default=None, help="default: the launcher's (4 quantised, 8 bf16)")
     parser.add_argument("--num-stages", type=int, default=None, help="default: the launcher's (3 quantised, 2 bf16)")
+    parser.add_argument("--maxnreg", type=int, default=None, help="cap the registers a thread (ptxas spills the rest)")
     parser.add_argument("--ops", type=int, default=12, help="how many opcodes to list")
     args = parser.parse_args()
     warps = args.num_warps or (8 if args.kv_cache_dtype == "bf16" else 4)
     stages = args.num_stages or (2 if args.kv_cache_dtype == "bf16" else 3)
     with tempfile.TemporaryDirectory() as tmp:
-        compiled = compile_decode(Path(tmp), args.kv_cache_dtype, args.block_n, warps, stages)
+        compiled = compile_decode(Path(tmp), args.kv_cache_dtype, args.block_n, warps, stages, args.maxnreg)
         ops, registers = loop_opcodes(compiled.asm["cubin"], Path(tmp))
     counts = collections.Counter(ops)
+    shared = compiled.metadata.shared
+    by_registers, by_shared = programs_per_sm(int(registers), shared, warps)
+    programs = min(by_registers, by_shared)
     print(f"Triton {triton.__version__}, sm_90: decode_split_kernel, {args.kv_cache_dtype}, block_n {args.block_n}, "
-          f"{warps} warps, {stages} stages")
-    print(f"loop: {len(ops)} instructions per warp and tile; {registers} registers a thread, "
-          f"{compiled.metadata.shared} bytes of shared memory")
+          f"{warps} warps, {stages} stages" + (f", maxnreg {args.maxnreg}" if args.maxnreg else ""))
+    print(f"loop: {len(ops)} instructions per warp and tile ({len(ops) * warps / args.block_n:.1f} per key, all "
+          f"warps); {registers} registers a thread, {shared} bytes of shared memory")
+    print(f"an SM holds {programs} programs ({by_registers} by registers, {by_shared} by shared memory): "
+          f"{programs * warps} warps, when the grid has that many programs")
+    if counts["STL"] or counts["LDL"]:
+        print(f"spilled: {counts['STL']} stores and {counts['LDL']} loads of local memory per tile")
     print("  ".join(f"{op} {n}" for op, n in counts.most_common(args.ops)))
 
 
