@@ -218,22 +218,25 @@ def quantized_batch(batch: int, seq_len: int, kv_cache_dtype: str) -> SimpleName
 
 
 def quantized(batch: int, seq_len: int, kv_cache_dtype: str, num_sms: int) -> dict:
-    """The engine's call on a ``kv_cache_dtype`` cache against the bf16 one, same K/V and splits."""
+    """The engine's call on a ``kv_cache_dtype`` cache against the bf16 one, same K/V, each with the
+    split count the planner gives its kernel."""
     b = quantized_batch(batch, seq_len, kv_cache_dtype)
     splits = choose_num_splits(batch, KV_HEADS, seq_len, num_sms)
+    quant_splits = choose_num_splits(batch, KV_HEADS, seq_len, num_sms, quantised=True)
     out = torch.empty_like(b.q)
 
     def bf16_call():
         return paged_decode(b.q, b.k_cache, b.v_cache, b.tables, b.seq_lens, splits, validate=False, out=out)
 
     def quant_call():
-        return paged_decode(b.q, b.k8, b.v8, b.tables, b.seq_lens, splits, validate=False, out=out,
+        return paged_decode(b.q, b.k8, b.v8, b.tables, b.seq_lens, quant_splits, validate=False, out=out,
                             k_scale=b.k_scale, v_scale=b.v_scale)
 
     bf16 = bench(bf16_call)
     quant = checked_seconds(quant_call, out, b.want)
     quant_bytes = 2 * batch * seq_len * KV_HEADS * (DIM + 4)        # one byte a value, a float32 scale a row
     row = {"kv_cache_dtype": kv_cache_dtype, "batch": batch, "seq_len": seq_len, "num_splits": splits,
+           "quant_num_splits": quant_splits,
            "bf16_us": round(bf16 * 1e6, 1), "bf16_TBps": round(kv_tbps(batch, seq_len, bf16), 2)}
     if isinstance(quant, float):
         row.update(quant_us=round(quant * 1e6, 1), quant_TBps=round(quant_bytes / quant / 1e12, 2),

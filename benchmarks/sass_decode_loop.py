@@ -1,9 +1,10 @@
 """How many instructions does paged_decode's loop take, per warp and tile? (no GPU needed)
 
-    python benchmarks/sass_decode_loop.py [--kv-cache-dtype fp8|int8|bf16] [--block-n 128]
-                                          [--num-warps 4] [--num-stages 3] [--maxnreg N] [--ops 12]
+    python benchmarks/sass_decode_loop.py [--kv-cache-dtype fp8|int8|bf16] [--block-n N]
+                                          [--num-warps N] [--num-stages N] [--maxnreg N] [--ops 12]
 
-Compiles ``decode_split_kernel`` for an H200 (sm_90) with the Triton installed here (its wheel
+Compiles the launcher's decode kernel for the format (``decode_split_kernel`` for bf16,
+``decode_streams_kernel`` for fp8 and int8, one stream of keys a warp) for an H200 (sm_90) with the Triton installed here (its wheel
 carries ``ptxas`` and ``nvdisasm``), at the benchmarks' shape (32 query / 8 KV heads, head_dim
 128, pages of 16), and counts the machine instructions (SASS) of its loop over tiles: what one
 warp executes per tile of keys, by opcode, per key over all of a program's warps (to compare
@@ -62,19 +63,22 @@ def jit_functions(workdir: Path, *files: str):
 
 def compile_decode(workdir: Path, fmt: str, block_n: int, num_warps: int, num_stages: int,
                    maxnreg: int | None = None):
-    kernel = jit_functions(workdir, "dequant.py", "paged_decode.py").decode_split_kernel
+    """The launcher's kernel for ``fmt``: ``decode_split_kernel`` (bf16) or ``decode_streams_kernel``
+    (fp8, int8: one stream a warp)."""
+    kernels = jit_functions(workdir, "dequant.py", "paged_decode.py")
     quant = fmt != "bf16"
-    sig = {"q_ptr": "*bf16", "k_cache_ptr": "*" + CODES[fmt], "v_cache_ptr": "*" + CODES[fmt],
-           "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-           "out_ptr": "*fp32", "lse_ptr": "*fp32", "sm_scale": "fp32", "stride_qt": "i32", "stride_qh": "i32",
-           "stride_table": "i32", "num_kv_heads": "i32", "num_splits": "i32"}
+    sig = {"q_ptr": "*bf16", "k_cache_ptr": "*" + CODES[fmt], "v_cache_ptr": "*" + CODES[fmt]}
+    if quant:
+        sig.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+    sig.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32", sm_scale="fp32",
+               stride_qt="i32", stride_qh="i32", stride_table="i32", num_kv_heads="i32", num_splits="i32")
     constexprs = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_FINAL=False,
-                      DOT_PRECISION="tf32", KV_QUANT=quant, QUANT_DOT=tl.float16 if quant else tl.float32,
-                      CODES_PTX={"fp8": "e4m3", "int8": "int8"}.get(fmt, ""))
-    if not quant:
-        constexprs.update(k_scale_ptr=None, v_scale_ptr=None)
-    if "CODES_PTX" not in kernel.arg_names:  # an older checkout's kernel
-        del constexprs["CODES_PTX"]
+                      DOT_PRECISION="tf32")
+    if quant:
+        kernel = kernels.decode_streams_kernel
+        constexprs.update(QUANT_DOT=tl.float16, CODES_PTX={"fp8": "e4m3", "int8": "int8"}[fmt], STREAMS=num_warps)
+    else:
+        kernel = kernels.decode_split_kernel
     sig.update({name: "constexpr" for name in constexprs})
     # What the launcher's specialisation tells the compiler: pointers and strides are multiples of 16.
     names = list(sig)
@@ -129,24 +133,27 @@ def programs_per_sm(registers: int, shared_bytes: int, num_warps: int) -> tuple[
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-cache-dtype", choices=list(CODES), default="fp8")
-    parser.add_argument("--block-n", type=int, default=128)
-    parser.add_argument("--num-warps", type=int, default=None, help="default: the launcher's (4 quantised, 8 bf16)")
+    parser.add_argument("--block-n", type=int, default=None, help="default: the launcher's (64 quantised, 128 bf16)")
+    parser.add_argument("--num-warps", type=int, default=None,
+                        help="default: the launcher's (2 quantised, one a stream; 8 bf16)")
     parser.add_argument("--num-stages", type=int, default=None, help="default: the launcher's (3 quantised, 2 bf16)")
     parser.add_argument("--maxnreg", type=int, default=None, help="cap the registers a thread (ptxas spills the rest)")
     parser.add_argument("--ops", type=int, default=12, help="how many opcodes to list")
     args = parser.parse_args()
-    warps = args.num_warps or (8 if args.kv_cache_dtype == "bf16" else 4)
+    warps = args.num_warps or (8 if args.kv_cache_dtype == "bf16" else 2)
+    block_n = args.block_n or (128 if args.kv_cache_dtype == "bf16" else 32 * warps)
     stages = args.num_stages or (2 if args.kv_cache_dtype == "bf16" else 3)
     with tempfile.TemporaryDirectory() as tmp:
-        compiled = compile_decode(Path(tmp), args.kv_cache_dtype, args.block_n, warps, stages, args.maxnreg)
+        compiled = compile_decode(Path(tmp), args.kv_cache_dtype, block_n, warps, stages, args.maxnreg)
         ops, registers = loop_opcodes(compiled.asm["cubin"], Path(tmp))
     counts = collections.Counter(ops)
     shared = compiled.metadata.shared
     by_registers, by_shared = programs_per_sm(int(registers), shared, warps)
     programs = min(by_registers, by_shared)
-    print(f"Triton {triton.__version__}, sm_90: decode_split_kernel, {args.kv_cache_dtype}, block_n {args.block_n}, "
+    name = "decode_split_kernel" if args.kv_cache_dtype == "bf16" else "decode_streams_kernel"
+    print(f"Triton {triton.__version__}, sm_90: {name}, {args.kv_cache_dtype}, block_n {block_n}, "
           f"{warps} warps, {stages} stages" + (f", maxnreg {args.maxnreg}" if args.maxnreg else ""))
-    print(f"loop: {len(ops)} instructions per warp and tile ({len(ops) * warps / args.block_n:.1f} per key, all "
+    print(f"loop: {len(ops)} instructions per warp and tile ({len(ops) * warps / block_n:.1f} per key, all "
           f"warps); {registers} registers a thread, {shared} bytes of shared memory")
     print(f"an SM holds {programs} programs ({by_registers} by registers, {by_shared} by shared memory): "
           f"{programs * warps} warps, when the grid has that many programs")

@@ -33,7 +33,9 @@ from common import bench, environment, print_table, save  # noqa: E402
 from kvlab.kernels import paged_decode, paged_prefill  # noqa: E402
 from kvlab.kernels.paged_decode import choose_num_splits  # noqa: E402
 
-DECODE_LAUNCHES = list(itertools.product([64, 128], [4, 8], [2, 3, 4]))   # (block_n, num_warps, num_stages)
+# (block_n, num_warps, num_stages): decode_streams_kernel runs one stream of keys a warp, so block_n is
+# a multiple of 16 keys a warp
+DECODE_LAUNCHES = [(n * w, w, s) for (n, w), s in itertools.product([(32, 1), (32, 2), (64, 2), (32, 4)], [2, 3, 4])]
 EXTEND_TILES = [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3),
                 (64, 64, 4, 2), (64, 128, 4, 3), (64, 32, 4, 3)]          # (block_m, block_n, num_warps, num_stages)
 
@@ -46,7 +48,9 @@ def decode_rows(batch: int, seq_len: int, fmt: str, sms: int) -> list[dict]:
                                       out=out))
     rows = []
     for (block_n, warps, stages), factor in itertools.product(DECODE_LAUNCHES, (1, 2)):
-        splits = choose_num_splits(batch, KV_HEADS, seq_len, sms, block_n=block_n) * factor
+        # the planner's count for programs of this many warps (8 warps an SM, as the launcher's 2-warp programs fit)
+        splits = choose_num_splits(batch, KV_HEADS, seq_len, sms, block_n=block_n,
+                                   programs_per_sm=max(1, 8 // warps)) * factor
         call = lambda: paged_decode(b.q, b.k8, b.v8, b.tables, b.seq_lens, splits, validate=False,  # noqa: E731
                                     out=out, k_scale=b.k_scale, v_scale=b.v_scale, block_n=block_n,
                                     num_warps=warps, num_stages=stages)

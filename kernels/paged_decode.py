@@ -15,6 +15,10 @@ sequence's KV length into ``num_splits`` ranges:
 
 With ``num_splits=1`` stage 1 writes the final output itself: the non-split kernel the
 chapter compares against.
+
+A quantised cache (fp8 or int8 codes, chapter 9) has its own stage 1, ``decode_streams_kernel``:
+the same walk, but each warp reads its own stream of keys with its own running softmax, and the
+streams are merged at the end of the program as the splits are merged in stage 2.
 """
 from __future__ import annotations
 
@@ -36,6 +40,9 @@ from kvlab.kernel_plan import (  # noqa: F401
     MIN_TOKENS_PER_SPLIT,
     PROGRAM_START_TOKENS,
     PROGRAMS_PER_SM,
+    QUANT_PROGRAMS_PER_SM,
+    QUANT_STREAM_N,
+    QUANT_STREAMS,
     choose_num_splits,
     num_sms,
 )
@@ -45,10 +52,43 @@ from kvlab.kernels.dequant import codes_ptx, codes_to_dot
 
 
 @triton.jit
+def _split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N: tl.constexpr):
+    """The keys ``[start, end)`` of this program's split of sequence ``seq``.
+
+    Each sequence cuts its own length into num_splits ranges of whole tiles, so nothing here
+    depends on the batch's longest sequence: the host launches the grid (batch, num_kv_heads,
+    num_splits) without reading any length back, and a CUDA graph captured with one set of
+    lengths replays right with any other. A short sequence spreads over all the splits too; when
+    it has fewer tiles than splits, the last splits are empty (start >= end)."""
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    return start, tl.minimum(start + tokens_per_split, seq_len)
+
+
+@triton.jit
+def _write_split(out_ptr, lse_ptr, acc, m, l, row, row_mask, dims, split, num_splits, HEAD_DIM: tl.constexpr,
+                 WRITE_FINAL: tl.constexpr):
+    """Store a split's output ``acc / l`` (rows ``row`` of ``[batch * num_heads]``) and its log-sum-exp
+    (``m`` and ``l`` in base 2)."""
+    # An empty range (a split past the end of a short sequence) leaves l = 0: it must carry
+    # zero weight in the merge, hence lse = -inf and a zero output.
+    empty = l == 0.0
+    out = acc / tl.where(empty, 1.0, l)[:, None]
+    lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, l))) * 0.6931471805599453)  # base e
+    if WRITE_FINAL:
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=row_mask[:, None])
+    else:
+        tl.store(out_ptr + ((row * num_splits + split)[:, None]) * HEAD_DIM + dims[None, :], out,
+                 mask=row_mask[:, None])
+    tl.store(lse_ptr + row * num_splits + split, lse, mask=row_mask)
+
+
+@triton.jit
 def decode_split_kernel(
     q_ptr,                 # [batch, num_heads, HEAD_DIM], head_dim contiguous (rows may be strided)
-    k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
-    k_scale_ptr, v_scale_ptr,  # KV_QUANT: [num_blocks, BLOCK_SIZE, num_kv_heads] float32, else None
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM], 16- or 32-bit
     block_tables_ptr,      # [batch, max_blocks] int32
     seq_lens_ptr,          # [batch] int32
     out_ptr,               # num_splits == 1: [batch, num_heads, HEAD_DIM]; else [batch, num_heads, num_splits, HEAD_DIM] fp32
@@ -64,33 +104,17 @@ def decode_split_kernel(
     BLOCK_N: tl.constexpr,      # tokens per tile: a few pages
     WRITE_FINAL: tl.constexpr,  # one split: write the normalised output directly
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32 rounding), else "tf32" (unused for 16-bit)
-    KV_QUANT: tl.constexpr = False,  # the cache holds fp8/int8 values and a scale per (token, KV head)
-    QUANT_DOT: tl.constexpr = tl.float32,  # KV_QUANT: the dots' input type (fp16 on a GPU)
-    CODES_PTX: tl.constexpr = "",  # KV_QUANT, fp16 dots on a GPU: "e4m3" or "int8" (codes_to_dot)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    # This program's range of the sequence. Each sequence cuts its own length into num_splits
-    # ranges of whole tiles, so nothing here depends on the batch's longest sequence: the host
-    # launches the grid (batch, num_kv_heads, num_splits) without reading any length back, and a
-    # CUDA graph captured with one set of lengths replays right with any other. A short sequence
-    # spreads over all the splits too; when it has fewer tiles than splits, the last splits are
-    # empty (start >= end).
-    seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, seq_len)
+    start, end = _split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
 
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)   # the query heads of this GQA group
     head_mask = tl.arange(0, GROUP_PAD) < GROUP
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
                 mask=head_mask[:, None], other=0.0)
-    if KV_QUANT:
-        # fp16 dots: e4m3 and int8 codes become fp16 in one conversion (bf16 takes three, and
-        # the conversions, not the bytes, would set the pace); a query's values fit fp16.
-        q = q.to(QUANT_DOT)
 
     # Scores are kept in base 2: exp(x) = exp2(x * log2(e)), and log2(e) joins the softmax
     # scale, so each score costs one multiply before its exp2.
@@ -114,54 +138,112 @@ def decode_split_kernel(
         offs = slot[:, None] * row_stride + kv_head * HEAD_DIM + dims[None, :]
         k = tl.load(k_cache_ptr + offs, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offs, mask=valid[:, None], other=0.0)
-        if KV_QUANT:
-            # Dequantise in registers, never in memory. The codes convert exactly to fp16 (e4m3
-            # and int8 values are fp16 numbers); a key's scale multiplies its score column after
-            # the dot, and a value's scale its probability column before the second dot. So the
-            # scales touch [GROUP_PAD, BLOCK_N] tiles, not the 8x larger K and V tiles.
-            k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
-            v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
-            # Each tile crosses shared memory on its way to the tensor cores. K's rows are laid
-            # out as q @ k.T wants them, so its codes cross as they are, one byte each, and are
-            # converted as the product reads them. p @ v sums over keys: V's tile must be
-            # transposed, which only a 16-bit tile can be on the way (ldmatrix.trans), so its
-            # codes are converted first, and cross as fp16 (PIN, see codes_to_dot). Converting K
-            # first too costs shared-memory traffic and space, which bound this loop: fp8 took
-            # 0.98-1.00 of bf16's time at long contexts that way, against 0.73 (H200).
-            k = codes_to_dot(k, QUANT_DOT, CODES_PTX, PIN=False)
-            v = codes_to_dot(v, QUANT_DOT, CODES_PTX, PIN=True)
-
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(tl.float32)   # [GROUP_PAD, BLOCK_N]
-        if KV_QUANT:
-            scores = scores * (k_scale * qk_scale)[None, :]
-        else:
-            scores = scores * qk_scale
+        scores = scores * qk_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         # Online softmax: a larger max rescales what was summed so far by exp2(m_old - m_new).
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        if KV_QUANT:
-            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
         m = m_new
         next_pos = pos + BLOCK_N
         page = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < end, other=0)
 
-    # An empty range (a split past the end of a short sequence) leaves l = 0: it must carry
-    # zero weight in the merge, hence lse = -inf and a zero output.
-    empty = l == 0.0
-    out = acc / tl.where(empty, 1.0, l)[:, None]
-    lse = tl.where(empty, float("-inf"), (m + tl.log2(tl.where(empty, 1.0, l))) * 0.6931471805599453)  # base e
-    row = seq * num_kv_heads * GROUP + heads
-    if WRITE_FINAL:
-        tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=head_mask[:, None])
-    else:
-        tl.store(out_ptr + ((row * num_splits + split)[:, None]) * HEAD_DIM + dims[None, :], out,
-                 mask=head_mask[:, None])
-    tl.store(lse_ptr + row * num_splits + split, lse, mask=head_mask)
+    _write_split(out_ptr, lse_ptr, acc, m, l, seq * num_kv_heads * GROUP + heads, head_mask, dims, split, num_splits,
+                 HEAD_DIM, WRITE_FINAL)
+
+
+@triton.jit
+def decode_streams_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr,   # as decode_split_kernel's; the cache holds fp8 or int8 codes
+    k_scale_ptr, v_scale_ptr,          # [num_blocks, BLOCK_SIZE, num_kv_heads] float32: a scale per (token, KV head)
+    block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    sm_scale, stride_qt, stride_qh, stride_table, num_kv_heads, num_splits,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    QUANT_DOT: tl.constexpr,    # the dots' input type (fp16 on a GPU)
+    CODES_PTX: tl.constexpr,    # "e4m3" or "int8" on a GPU (codes_to_dot)
+    STREAMS: tl.constexpr,      # independent streams of keys, one a warp (launched with num_warps=STREAMS)
+):
+    """``decode_split_kernel`` over a quantised cache, its range read as ``STREAMS`` streams.
+
+    Each iteration takes ``BLOCK_N`` keys: ``BLOCK_N // STREAMS`` consecutive ones for each stream.
+    A stream keeps its own running max, sum and output, along a leading axis of size ``STREAMS``
+    that Triton lays out one stream a warp: the row maxima and sums of the online softmax stay
+    inside a warp, and ``p`` goes from the first product into the second without crossing shared
+    memory. So a warp never waits for another inside the loop, and the streams are merged once,
+    at the end, by the rule the splits are merged by. (With the warps sharing each tile, as in
+    ``decode_split_kernel``, every tile ends in two barriers: the quantised loop, 4 warps a
+    program and two programs an SM, waited on them more than on memory.)"""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    start, end = _split_range(seq_lens_ptr, seq, split, num_splits, BLOCK_N)
+    STREAM_N: tl.constexpr = BLOCK_N // STREAMS     # keys a stream takes an iteration
+
+    heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
+    head_mask = tl.arange(0, GROUP_PAD) < GROUP
+    dims = tl.arange(0, HEAD_DIM)
+    # fp16 dots: e4m3 and int8 codes become fp16 in one conversion (bf16 takes three, and the
+    # conversions, not the bytes, would set the pace); a query's values fit fp16.
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_mask[:, None], other=0.0).to(QUANT_DOT)
+    q = tl.broadcast_to(q[None, :, :], (STREAMS, GROUP_PAD, HEAD_DIM))     # every stream's copy
+    qk_scale = sm_scale * 1.4426950408889634                                # scores in base 2
+    m = tl.full([STREAMS, GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([STREAMS, GROUP_PAD], tl.float32)
+    acc = tl.zeros([STREAMS, GROUP_PAD, HEAD_DIM], tl.float32)
+    row_stride = num_kv_heads * HEAD_DIM
+    table = block_tables_ptr + seq * stride_table
+    # Stream w takes keys w * STREAM_N .. (w + 1) * STREAM_N - 1 of each tile; the table entries
+    # are read a tile ahead, as in decode_split_kernel.
+    tile_keys = tl.arange(0, STREAMS)[:, None] * STREAM_N + tl.arange(0, STREAM_N)[None, :]   # [STREAMS, STREAM_N]
+    pos = start + tile_keys
+    page = tl.load(table + pos // BLOCK_SIZE, mask=pos < end, other=0)
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + tile_keys
+        valid = pos < end
+        slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        offs = slot[:, :, None] * row_stride + kv_head * HEAD_DIM + dims[None, None, :]
+        # Dequantise in registers, never in memory. The codes convert exactly to fp16 (e4m3 and
+        # int8 values are fp16 numbers); a key's scale multiplies its score column after the
+        # dot, and a value's scale its probability column before the second dot: the scales
+        # touch the scores, not the 8x larger K and V tiles.
+        # Each tile crosses shared memory on its way to the tensor cores. K's rows are laid out
+        # as q @ k.T wants them, so its codes cross as they are, one byte each, and are converted
+        # as the product reads them. p @ v sums over keys: V's tile must be transposed, which
+        # only a 16-bit tile can be on the way (ldmatrix.trans), so its codes are converted
+        # first, and cross as fp16 (PIN, see codes_to_dot).
+        k = codes_to_dot(tl.load(k_cache_ptr + offs, mask=valid[:, :, None], other=0.0), QUANT_DOT, CODES_PTX,
+                         PIN=False)
+        v = codes_to_dot(tl.load(v_cache_ptr + offs, mask=valid[:, :, None], other=0.0), QUANT_DOT, CODES_PTX,
+                         PIN=True)
+        k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
+        v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
+
+        scores = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=DOT_PRECISION).to(tl.float32)  # [STREAMS, GROUP_PAD, STREAM_N]
+        scores = scores * (k_scale * qk_scale)[:, None, :]
+        scores = tl.where(valid[:, None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=2))
+        # A stream whose keys are all past the end has seen nothing: its max stays -inf, and is
+        # measured against 0 so that exp2 gets no -inf - -inf (NaN).
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(scores - m_ref[:, :, None])
+        l = l * alpha + tl.sum(p, axis=2)
+        p = p * v_scale[:, None, :]
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        m = m_new
+        next_pos = pos + BLOCK_N
+        page = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < end, other=0)
+
+    # The streams' merge: each stream's sums re-weighted by exp2(m_w - max_w m_w).
+    m_all = tl.max(m, axis=0)
+    weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])
+    _write_split(out_ptr, lse_ptr, tl.sum(acc * weight[:, :, None], axis=0), m_all, tl.sum(l * weight, axis=0),
+                 seq * num_kv_heads * GROUP + heads, head_mask, dims, split, num_splits, HEAD_DIM, WRITE_FINAL)
 
 
 @triton.jit
@@ -191,9 +273,10 @@ def merge_splits_kernel(
 
 
 @functools.lru_cache(maxsize=1024)
-def _planned_splits(batch: int, num_kv_heads: int, max_seq_len: int, sms: int, block_n: int) -> int:
+def _planned_splits(batch: int, num_kv_heads: int, max_seq_len: int, sms: int, block_n: int,
+                    programs_per_sm: int) -> int:
     """:func:`choose_num_splits`, remembered: a default call plans the same shapes over and over."""
-    return choose_num_splits(batch, num_kv_heads, max_seq_len, sms, block_n=block_n)
+    return choose_num_splits(batch, num_kv_heads, max_seq_len, sms, block_n=block_n, programs_per_sm=programs_per_sm)
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, sm_scale=None, *,
@@ -235,35 +318,47 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
         return out
     if block_n is not None and (not isinstance(block_n, int) or block_n < 16 or block_n & (block_n - 1)):
         raise ValueError(f"block_n must be a power of two >= 16 (tl.dot's smallest tile), got {block_n!r}")
-    # On a GPU: 128-token tiles (an H200 sweep, benchmarks/tune_attention.py, at both long-batch
-    # and one-long-sequence shapes).
-    block_n = block_n or (GPU_BLOCK_N if q.is_cuda else INTERPRETER_BLOCK_N)
+    quantised = k_scale is not None
+    # A quantised cache is read by decode_streams_kernel, one stream of keys a warp: 2 warps
+    # (num_warps, if given, sets the streams), 32 keys a stream and iteration. bf16/fp32 by
+    # decode_split_kernel, with 128-token tiles on a GPU (an H200 sweep, benchmarks/tune_attention.py,
+    # at both long-batch and one-long-sequence shapes). In the interpreter: 2 streams, 16-key tiles.
+    streams = (num_warps or QUANT_STREAMS) if quantised else 1
+    if block_n is None:
+        block_n = (QUANT_STREAM_N if quantised else GPU_BLOCK_N) if q.is_cuda else INTERPRETER_BLOCK_N
+        block_n *= streams
+    if block_n % (16 * streams):
+        raise ValueError(f"block_n must be a multiple of 16 x {streams} over a quantised cache ({streams} streams "
+                         f"of at least 16 keys, tl.dot's smallest tile), got {block_n}")
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = longest if longest is not None else grid_length(seq_lens, None, "max_seq_len", False)
-        num_splits = _planned_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n)
+        num_splits = _planned_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n,
+                                     (QUANT_PROGRAMS_PER_SM * QUANT_STREAMS // streams) if quantised else PROGRAMS_PER_SM)
     if q.is_cuda:
-        # 8 warps for bf16, 4 for a quantised cache (half the bytes a tile), and as many K/V
-        # buffers as still leave two programs an SM: with K's codes crossing shared memory as
-        # they are, 3 stages (two tiles loading while one is computed) fit in 108 KB; bf16's
-        # would take 139 KB, one program an SM, so it takes 2. (H200 sweeps;
-        # benchmarks/RESULTS.md, 2026-12-02.)
-        num_warps = num_warps or (4 if k_scale is not None else 8)
-        num_stages = num_stages or (3 if k_scale is not None else 2)
+        # bf16: 8 warps, 2 stages (3 would take 139 KB of shared memory, one program an SM). A
+        # quantised cache: a warp a stream, 3 stages (two tiles loading while one is computed):
+        # four 2-warp programs an SM (H200 sweeps; benchmarks/RESULTS.md, 2026-12-02).
+        num_warps = streams if quantised else (num_warps or 8)
+        num_stages = num_stages or (3 if quantised else 2)
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     final = num_splits == 1
     partial = out if final else torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
                                             device=q.device)
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-    quant_dot = torch.float32 if q.dtype == torch.float32 else torch.float16   # the dots' type over codes
-    decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, partial, lse, sm_scale,
-        q.stride(0), q.stride(1), block_tables.stride(0), num_kv_heads, num_splits,
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_QUANT=k_scale is not None,
-        QUANT_DOT=tl.float32 if quant_dot == torch.float32 else tl.float16, CODES_PTX=codes_ptx(k_cache, quant_dot),
-        **launch)
+    grid = (batch, num_kv_heads, num_splits)
+    rest = (block_tables, seq_lens, partial, lse, sm_scale, q.stride(0), q.stride(1), block_tables.stride(0),
+            num_kv_heads, num_splits)
+    shape = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+                 BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final,
+                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    if quantised:
+        quant_dot = torch.float32 if q.dtype == torch.float32 else torch.float16   # the dots' type over codes
+        decode_streams_kernel[grid](
+            q, k_cache, v_cache, k_scale, v_scale, *rest, **shape, QUANT_DOT=tl.float32 if quant_dot == torch.float32 else tl.float16,
+            CODES_PTX=codes_ptx(k_cache, quant_dot), STREAMS=streams, **launch)
+    else:
+        decode_split_kernel[grid](q, k_cache, v_cache, *rest, **shape, **launch)
     if not final:
         merge_splits_kernel[(batch * num_heads,)](partial, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   SPLITS_PAD=triton.next_power_of_2(num_splits))

@@ -298,6 +298,9 @@ def pages_read(block_table, start: int, end: int, block_size: int) -> list[int]:
 # The costs are in "tokens one program streams meanwhile" (roughly 15-30 ns per 128-dim bf16 token).
 MIN_TOKENS_PER_SPLIT = 256  # no split shorter than this: too little to stream for what it costs
 PROGRAMS_PER_SM = 2         # programs an SM streams at once, one computing while the other waits for memory
+QUANT_STREAMS = 2           # a quantised cache: decode_streams_kernel's streams (warps) a program
+QUANT_STREAM_N = 32         # ... and keys a stream takes an iteration (an H200 sweep)
+QUANT_PROGRAMS_PER_SM = 4   # ... four such programs an SM (255 registers a thread, 50 KB of shared memory)
 MAX_WAVES = 1               # split counts whose programs need more waves lost in the sweep: not tried
 PROGRAM_START_TOKENS = 128  # a program's start: load q and the first tiles before streaming (~2 us)
 MERGE_LAUNCH_TOKENS = 256   # the merge kernel's launch and run (~4 us)
@@ -306,8 +309,12 @@ MAX_SPLITS = 128            # the merge holds a row's partial outputs in registe
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int, *,
-                      block_n: int = GPU_BLOCK_N, programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+                      block_n: int | None = None, programs_per_sm: int | None = None, quantised: bool = False) -> int:
     """The split count with the shortest estimated decode time.
+
+    ``block_n`` and ``programs_per_sm`` default to ``paged_decode``'s launch on a GPU: 128-key
+    tiles and two programs an SM for a 16-bit cache, and for a ``quantised`` one
+    ``decode_streams_kernel``'s 2 x 32 keys and four programs an SM.
 
     Decode streams K/V from memory: a program's time is about the tokens it reads. The
     ``batch * num_kv_heads * splits`` programs run ``num_sms * programs_per_sm`` at a time, in
@@ -320,6 +327,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     8 KV heads = 256 programs for 264 slots), and one long sequence is cut in as many splits as
     fill them (8 KV heads x 32 splits).
     """
+    if block_n is None:
+        block_n = QUANT_STREAMS * QUANT_STREAM_N if quantised else GPU_BLOCK_N
+    if programs_per_sm is None:
+        programs_per_sm = QUANT_PROGRAMS_PER_SM if quantised else PROGRAMS_PER_SM
     programs = batch * num_kv_heads
     slots = num_sms * programs_per_sm                   # programs that run at the same time: one wave
     most = max(1, min(max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
@@ -421,6 +432,7 @@ def predicted_speedup(batch: int, seq_len: int, num_kv_heads: int, num_sms: int 
 __all__ = ["GPU_BLOCK_N", "INTERPRETER_BLOCK_N", "SHARED_MEMORY_BUDGET", "tile_config", "launch_config",
            "next_power_of_2", "check_int", "FULL", "MASKED", "SKIPPED", "TILE_STATES", "causal_tile_bounds",
            "TileSchedule", "tile_schedule", "PagedReads", "paged_reads", "tokens_per_split", "split_token_ranges",
-           "pages_read", "MIN_TOKENS_PER_SPLIT", "PROGRAMS_PER_SM", "MAX_WAVES", "PROGRAM_START_TOKENS",
+           "pages_read", "MIN_TOKENS_PER_SPLIT", "PROGRAMS_PER_SM", "QUANT_STREAMS", "QUANT_STREAM_N",
+           "QUANT_PROGRAMS_PER_SM", "MAX_WAVES", "PROGRAM_START_TOKENS",
            "MERGE_LAUNCH_TOKENS", "MERGE_TOKENS_PER_SPLIT", "MAX_SPLITS", "choose_num_splits", "H200_SMS",
            "GridFill", "sm_loads", "grid_fill", "predicted_speedup"]

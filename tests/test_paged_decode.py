@@ -251,7 +251,7 @@ def test_each_split_reads_its_own_sequences_range():
     partial = torch.empty(len(lens), heads, splits, dim, dtype=torch.float32, device=DEVICE)
     scale = 1 / math.sqrt(dim)
     decode_split_kernel[(len(lens), kv_heads, splits)](
-        q, k_cache, v_cache, None, None, tables, seq_lens, partial, lse, scale, q.stride(0), q.stride(1),
+        q, k_cache, v_cache, tables, seq_lens, partial, lse, scale, q.stride(0), q.stride(1),
         tables.stride(0), kv_heads, splits, GROUP=heads // kv_heads, GROUP_PAD=16, HEAD_DIM=dim, BLOCK_SIZE=16, BLOCK_N=block_n,
         WRITE_FINAL=False, DOT_PRECISION="ieee")
     for b, n in enumerate(lens):

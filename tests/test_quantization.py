@@ -328,6 +328,7 @@ def _decode_args():
     (dict(k_cache=torch.zeros(5, 16, 2, 32), v_cache=torch.zeros(5, 16, 2, 32)), ValueError,
      "k_scale/v_scale are given but the cache is torch.float32"),
     (dict(seq_lens=torch.tensor([5, 60], dtype=torch.int32)), ValueError, r"seq_lens\[1\] = 60 must be in 1..48"),
+    (dict(block_n=16), ValueError, r"block_n must be a multiple of 16 x 2 over a quantised cache"),
 ])
 def test_bad_decode_is_refused_before_launch(overrides, error, match):
     args = _decode_args()
@@ -338,25 +339,30 @@ def test_bad_decode_is_refused_before_launch(overrides, error, match):
     assert bool(out.isnan().all())
 
 
-def test_the_default_path_takes_no_scales(monkeypatch):
-    """An unquantised cache launches the kernel with KV_QUANT off and no scale pointers: the same
-    code as before, the quantised branch compiled away."""
-    kernel, seen = paged_decode_module.decode_split_kernel, {}
+def test_each_cache_goes_to_its_kernel(monkeypatch):
+    """An unquantised cache launches decode_split_kernel, with no scales; a quantised one
+    decode_streams_kernel, with its scales."""
+    seen = []
 
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                seen.update(kv_quant=kwargs["KV_QUANT"], scales=args[3:5])
-                return kernel[grid](*args, **kwargs)
-            return launch
+    def spy(name):
+        kernel = getattr(paged_decode_module, name)
 
-    monkeypatch.setattr(paged_decode_module, "decode_split_kernel", Spy())
-    q = torch.randn(2, 4, 32, device=DEVICE)
-    k_cache, v_cache = torch.randn(2, 3, 16, 2, 32, device=DEVICE)
-    tables = torch.tensor([[0, 1], [2, 0]], dtype=torch.int32, device=DEVICE)
-    seq_lens = torch.tensor([20, 9], dtype=torch.int32, device=DEVICE)
-    paged_decode(q, k_cache, v_cache, tables, seq_lens, num_splits=1)
-    assert seen == dict(kv_quant=False, scales=(None, None))
+        class Spy:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    seen.append((name, len(args)))
+                    return kernel[grid](*args, **kwargs)
+                return launch
+        monkeypatch.setattr(paged_decode_module, name, Spy())
+
+    spy("decode_split_kernel")
+    spy("decode_streams_kernel")
+    args = _decode_args()
+    paged_decode(**{**args, "k_cache": args["k_cache"].float(), "v_cache": args["v_cache"].float(), "k_scale": None,
+                    "v_scale": None}, num_splits=1)
+    paged_decode(**args, num_splits=1)
+    # decode_split_kernel takes no scale pointers: two arguments fewer
+    assert seen == [("decode_split_kernel", 13), ("decode_streams_kernel", 15)]
 
 
 def test_codes_go_through_ptx_only_in_compiled_fp16_dots():

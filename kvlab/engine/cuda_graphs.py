@@ -66,7 +66,8 @@ class CudaGraphs:
         splits = None
         if self.query_len == 1:   # fixed at capture, from the longest sequence the engine allows
             sms = torch.cuda.get_device_properties(self.kv_cache.k.device).multi_processor_count
-            splits = choose_num_splits(batch, self.kv_cache.num_kv_heads, self.max_model_len, sms)
+            splits = choose_num_splits(batch, self.kv_cache.num_kv_heads, self.max_model_len, sms,
+                                       quantised=self.kv_cache.quantized)
         return AttentionContext(
             kv_cache=self.kv_cache, slot_mapping=self.slot_mapping[:tokens], block_tables=self.block_tables[:batch],
             seq_lens=self.seq_lens[:batch], query_lens=self.query_lens[:batch],
