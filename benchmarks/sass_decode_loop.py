@@ -4,14 +4,14 @@
                                           [--num-warps N] [--num-stages N] [--maxnreg N] [--ops 12]
 
 Compiles the launcher's decode kernel for the format (``decode_split_kernel`` for bf16,
-``decode_streams_kernel`` for fp8 and int8, one stream of keys a warp) for an H200 (sm_90) with the Triton installed here (its wheel
-carries ``ptxas`` and ``nvdisasm``), at the benchmarks' shape (32 query / 8 KV heads, head_dim
-128, pages of 16), and counts the machine instructions (SASS) of its loop over tiles: what one
-warp executes per tile of keys, by opcode, per key over all of a program's warps (to compare
-launches), and how many programs an SM can hold with the registers and shared memory the kernel
-takes (what hides a loop's latency is warps in flight). The counts in ``benchmarks/RESULTS.md`` (from
-2026-12-02's fourth session on) came from Triton 3.6, the GPU machine's version, which needs
-nothing else:
+``decode_streams_kernel`` for fp8 and int8, one stream of keys a warp) for an H200 (sm_90) with
+the Triton installed here (its wheel carries ``ptxas`` and ``nvdisasm``), at the benchmarks'
+shape (32 query / 8 KV heads, head_dim 128, pages of 16), and counts the machine instructions
+(SASS) of its loop over tiles: what one warp executes per tile of keys, by opcode, per key over
+all of a program's warps (to compare launches), and how many programs an SM can hold with the
+registers and shared memory the kernel takes (what hides a loop's latency is warps in flight).
+The counts in ``benchmarks/RESULTS.md`` (from 2026-12-02's fourth session on) came from Triton
+3.6, the GPU machine's version, which needs nothing else:
 
     python -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0
     /tmp/t36/bin/python benchmarks/sass_decode_loop.py --kv-cache-dtype fp8

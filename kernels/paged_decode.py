@@ -224,7 +224,8 @@ def decode_streams_kernel(
         k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
         v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
 
-        scores = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=DOT_PRECISION).to(tl.float32)  # [STREAMS, GROUP_PAD, STREAM_N]
+        # [STREAMS, GROUP_PAD, STREAM_N]: a batched product, one stream a warp
+        scores = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=DOT_PRECISION).to(tl.float32)
         scores = scores * (k_scale * qk_scale)[:, None, :]
         scores = tl.where(valid[:, None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=2))
@@ -325,6 +326,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     # decode_split_kernel, with 128-token tiles on a GPU (an H200 sweep, benchmarks/tune_attention.py,
     # at both long-batch and one-long-sequence shapes). In the interpreter: 2 streams, 16-key tiles.
     streams = (num_warps or QUANT_STREAMS) if quantised else 1
+    if not isinstance(streams, int) or streams < 1 or streams & (streams - 1):
+        raise ValueError(f"num_warps must be a power of two (a quantised cache: one stream of keys a warp), "
+                         f"got {num_warps!r}")
     if block_n is None:
         block_n = (QUANT_STREAM_N if quantised else GPU_BLOCK_N) if q.is_cuda else INTERPRETER_BLOCK_N
         block_n *= streams
@@ -335,7 +339,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
         if max_seq_len is None:
             max_seq_len = longest if longest is not None else grid_length(seq_lens, None, "max_seq_len", False)
         num_splits = _planned_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n,
-                                     (QUANT_PROGRAMS_PER_SM * QUANT_STREAMS // streams) if quantised else PROGRAMS_PER_SM)
+                                     max(1, QUANT_PROGRAMS_PER_SM * QUANT_STREAMS // streams) if quantised
+                                     else PROGRAMS_PER_SM)
     if q.is_cuda:
         # bf16: 8 warps, 2 stages (3 would take 139 KB of shared memory, one program an SM). A
         # quantised cache: a warp a stream, 3 stages (two tiles loading while one is computed):
@@ -356,8 +361,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     if quantised:
         quant_dot = torch.float32 if q.dtype == torch.float32 else torch.float16   # the dots' type over codes
         decode_streams_kernel[grid](
-            q, k_cache, v_cache, k_scale, v_scale, *rest, **shape, QUANT_DOT=tl.float32 if quant_dot == torch.float32 else tl.float16,
-            CODES_PTX=codes_ptx(k_cache, quant_dot), STREAMS=streams, **launch)
+            q, k_cache, v_cache, k_scale, v_scale, *rest, **shape, STREAMS=streams,
+            CODES_PTX=codes_ptx(k_cache, quant_dot), QUANT_DOT=tl.float32 if quant_dot == torch.float32 else tl.float16,
+            **launch)
     else:
         decode_split_kernel[grid](q, k_cache, v_cache, *rest, **shape, **launch)
     if not final:

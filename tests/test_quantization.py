@@ -329,6 +329,7 @@ def _decode_args():
      "k_scale/v_scale are given but the cache is torch.float32"),
     (dict(seq_lens=torch.tensor([5, 60], dtype=torch.int32)), ValueError, r"seq_lens\[1\] = 60 must be in 1..48"),
     (dict(block_n=16), ValueError, r"block_n must be a multiple of 16 x 2 over a quantised cache"),
+    (dict(num_warps=3), ValueError, r"num_warps must be a power of two \(a quantised cache: one stream"),
 ])
 def test_bad_decode_is_refused_before_launch(overrides, error, match):
     args = _decode_args()
