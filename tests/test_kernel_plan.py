@@ -139,6 +139,15 @@ def test_choose_num_splits_on_an_h200():
         assert kp.choose_num_splits(batch, 8, max_seq_len, kp.H200_SMS) == want
 
 
+def test_a_quantised_cache_plans_four_programs_an_sm():
+    """decode_streams_kernel's 2-warp programs, four an SM: twice the programs fit in one wave, so a
+    batch that filled the GPU with one split now takes two, and one long sequence twice the splits."""
+    for batch, max_seq_len, want in ((32, 32768, 2), (1, 131072, 64), (8, 8192, 8), (32, 1024, 2), (1, 300, 1)):
+        assert kp.choose_num_splits(batch, 8, max_seq_len, kp.H200_SMS, quantised=True) == want
+    # the defaults are the launch's: 2 x 32-key tiles; given ones win
+    assert kp.choose_num_splits(32, 8, 32768, kp.H200_SMS, quantised=True, programs_per_sm=2) == 1
+
+
 def test_grid_fill():
     plain = kp.grid_fill(1, 32768, 8, 1)
     assert plain.programs == 8 and plain.busy_sms == 8 and plain.efficiency == pytest.approx(8 / 132)
