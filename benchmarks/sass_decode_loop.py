@@ -150,8 +150,7 @@ def main() -> None:
     shared = compiled.metadata.shared
     by_registers, by_shared = programs_per_sm(int(registers), shared, warps)
     programs = min(by_registers, by_shared)
-    name = "decode_split_kernel" if args.kv_cache_dtype == "bf16" else "decode_streams_kernel"
-    print(f"Triton {triton.__version__}, sm_90: {name}, {args.kv_cache_dtype}, block_n {block_n}, "
+    print(f"Triton {triton.__version__}, sm_90: {compiled.name}, {args.kv_cache_dtype}, block_n {block_n}, "
           f"{warps} warps, {stages} stages" + (f", maxnreg {args.maxnreg}" if args.maxnreg else ""))
     print(f"loop: {len(ops)} instructions per warp and tile ({len(ops) * warps / block_n:.1f} per key, all "
           f"warps); {registers} registers a thread, {shared} bytes of shared memory")

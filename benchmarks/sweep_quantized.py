@@ -31,7 +31,7 @@ from bench_flash_attention import EXTENDS, quantized_extend_inputs  # noqa: E402
 from bench_paged_decode import KV_HEADS, QUANT_SHAPES, checked_seconds, quantized_batch  # noqa: E402
 from common import bench, environment, print_table, save  # noqa: E402
 from kvlab.kernels import paged_decode, paged_prefill  # noqa: E402
-from kvlab.kernels.paged_decode import choose_num_splits  # noqa: E402
+from kvlab.kernels.paged_decode import choose_num_splits, quant_programs_per_sm  # noqa: E402
 
 # (block_n, num_warps, num_stages): decode_streams_kernel runs one stream of keys a warp, so block_n is
 # a multiple of 16 keys a warp
@@ -48,9 +48,8 @@ def decode_rows(batch: int, seq_len: int, fmt: str, sms: int) -> list[dict]:
                                       out=out))
     rows = []
     for (block_n, warps, stages), factor in itertools.product(DECODE_LAUNCHES, (1, 2)):
-        # the planner's count for programs of this many warps (8 warps an SM, as the launcher's 2-warp programs fit)
         splits = choose_num_splits(batch, KV_HEADS, seq_len, sms, block_n=block_n,
-                                   programs_per_sm=max(1, 8 // warps)) * factor
+                                   programs_per_sm=quant_programs_per_sm(warps)) * factor
         call = lambda: paged_decode(b.q, b.k8, b.v8, b.tables, b.seq_lens, splits, validate=False,  # noqa: E731
                                     out=out, k_scale=b.k_scale, v_scale=b.v_scale, block_n=block_n,
                                     num_warps=warps, num_stages=stages)

@@ -40,11 +40,11 @@ from kvlab.kernel_plan import (  # noqa: F401
     MIN_TOKENS_PER_SPLIT,
     PROGRAM_START_TOKENS,
     PROGRAMS_PER_SM,
-    QUANT_PROGRAMS_PER_SM,
     QUANT_STREAM_N,
     QUANT_STREAMS,
     choose_num_splits,
     num_sms,
+    quant_programs_per_sm,
 )
 from kvlab.kernels.attention_checks import check_paged_decode_args  # noqa: F401  (re-exported)
 from kvlab.kernels.checks import grid_length  # noqa: F401  (re-exported)
@@ -339,8 +339,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
         if max_seq_len is None:
             max_seq_len = longest if longest is not None else grid_length(seq_lens, None, "max_seq_len", False)
         num_splits = _planned_splits(batch, num_kv_heads, max_seq_len, num_sms(q.device), block_n,
-                                     max(1, QUANT_PROGRAMS_PER_SM * QUANT_STREAMS // streams) if quantised
-                                     else PROGRAMS_PER_SM)
+                                     quant_programs_per_sm(streams) if quantised else PROGRAMS_PER_SM)
     if q.is_cuda:
         # bf16: 8 warps, 2 stages (3 would take 139 KB of shared memory, one program an SM). A
         # quantised cache: a warp a stream, 3 stages (two tiles loading while one is computed):

@@ -330,7 +330,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
     if block_n is None:
         block_n = QUANT_STREAMS * QUANT_STREAM_N if quantised else GPU_BLOCK_N
     if programs_per_sm is None:
-        programs_per_sm = QUANT_PROGRAMS_PER_SM if quantised else PROGRAMS_PER_SM
+        programs_per_sm = quant_programs_per_sm() if quantised else PROGRAMS_PER_SM
     programs = batch * num_kv_heads
     slots = num_sms * programs_per_sm                   # programs that run at the same time: one wave
     most = max(1, min(max_seq_len // MIN_TOKENS_PER_SPLIT, MAX_SPLITS))
@@ -346,6 +346,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
         if best_time is None or time < best_time:
             best, best_time = splits, time
     return best
+
+
+def quant_programs_per_sm(streams: int = QUANT_STREAMS) -> int:
+    """How many ``decode_streams_kernel`` programs of ``streams`` warps an SM runs at once: as many
+    warps as the four 2-warp programs measured, at least one program."""
+    return max(1, QUANT_PROGRAMS_PER_SM * QUANT_STREAMS // streams)
 
 
 # -- FlashDecoding: the launch grid against the SMs ----------------------------------------
@@ -433,6 +439,6 @@ __all__ = ["GPU_BLOCK_N", "INTERPRETER_BLOCK_N", "SHARED_MEMORY_BUDGET", "tile_c
            "next_power_of_2", "check_int", "FULL", "MASKED", "SKIPPED", "TILE_STATES", "causal_tile_bounds",
            "TileSchedule", "tile_schedule", "PagedReads", "paged_reads", "tokens_per_split", "split_token_ranges",
            "pages_read", "MIN_TOKENS_PER_SPLIT", "PROGRAMS_PER_SM", "QUANT_STREAMS", "QUANT_STREAM_N",
-           "QUANT_PROGRAMS_PER_SM", "MAX_WAVES", "PROGRAM_START_TOKENS",
+           "QUANT_PROGRAMS_PER_SM", "quant_programs_per_sm", "MAX_WAVES", "PROGRAM_START_TOKENS",
            "MERGE_LAUNCH_TOKENS", "MERGE_TOKENS_PER_SPLIT", "MAX_SPLITS", "choose_num_splits", "H200_SMS",
            "GridFill", "sm_loads", "grid_fill", "predicted_speedup"]
