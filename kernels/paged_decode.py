@@ -162,22 +162,32 @@ def decode_streams_kernel(
     k_scale_ptr, v_scale_ptr,          # [num_blocks, BLOCK_SIZE, num_kv_heads] float32: a scale per (token, KV head)
     block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     sm_scale, stride_qt, stride_qh, stride_table, num_kv_heads, num_splits,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,    # GROUP rounded up to 8 columns, the tensor cores' narrowest tile
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, WRITE_FINAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
     QUANT_DOT: tl.constexpr,    # the dots' input type (fp16 on a GPU)
     CODES_PTX: tl.constexpr,    # "e4m3" or "int8" on a GPU (codes_to_dot)
     STREAMS: tl.constexpr,      # independent streams of keys, one a warp (launched with num_warps=STREAMS)
 ):
-    """``decode_split_kernel`` over a quantised cache, its range read as ``STREAMS`` streams.
+    """``decode_split_kernel`` over a quantised cache, its range read as ``STREAMS`` streams, with
+    both products turned around: keys are the rows of the tensor cores' tiles, query heads the
+    columns.
 
     Each iteration takes ``BLOCK_N`` keys: ``BLOCK_N // STREAMS`` consecutive ones for each stream.
     A stream keeps its own running max, sum and output, along a leading axis of size ``STREAMS``
-    that Triton lays out one stream a warp: the row maxima and sums of the online softmax stay
-    inside a warp, and ``p`` goes from the first product into the second without crossing shared
-    memory. So a warp never waits for another inside the loop, and the streams are merged once,
-    at the end, by the rule the splits are merged by. (With the warps sharing each tile, as in
-    ``decode_split_kernel``, every tile ends in barriers that hold each warp to the slowest: on an
-    H200, fp8 took 0.75 of bf16's time that way at 32 x 32K, 0.60 this way; benchmarks/RESULTS.md.)"""
+    that Triton lays out one stream a warp: the softmax's reductions stay inside a warp, and ``p``
+    goes from the first product into the second without crossing shared memory. So a warp never
+    waits for another inside the loop, and the streams are merged once, at the end, by the rule
+    the splits are merged by. (With the warps sharing each tile, as in ``decode_split_kernel``,
+    every tile ends in barriers that hold each warp to the slowest: on an H200, fp8 took 0.75 of
+    bf16's time that way at 32 x 32K; benchmarks/RESULTS.md.)
+
+    Why turned around: a tensor-core tile is at least 16 rows by 8 columns. The GQA group's 4
+    query heads as rows (``q @ k.T``) fill 4 of 16 rows, and the running output ``[16, HEAD_DIM]``
+    is 64 float32 registers a thread to rescale every tile; as columns (``k @ q.T``, then
+    ``v.T @ p``) they fill 4 of 8: half the products, half the output to rescale, and 168
+    registers a thread instead of 255, so more programs fit an SM."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -187,15 +197,16 @@ def decode_streams_kernel(
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
     head_mask = tl.arange(0, GROUP_PAD) < GROUP
     dims = tl.arange(0, HEAD_DIM)
-    # fp16 dots: e4m3 and int8 codes become fp16 in one conversion (bf16 takes three, and the
-    # conversions, not the bytes, would set the pace); a query's values fit fp16.
-    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_mask[:, None], other=0.0).to(QUANT_DOT)
-    q = tl.broadcast_to(q[None, :, :], (STREAMS, GROUP_PAD, HEAD_DIM))     # every stream's copy
-    qk_scale = sm_scale * 1.4426950408889634                                # scores in base 2
+    # q transposed, [HEAD_DIM, GROUP_PAD]: the second operand of k @ q.T. fp16 dots: e4m3 and int8
+    # codes become fp16 in one conversion (bf16 takes three, and the conversions, not the bytes,
+    # would set the pace); a query's values fit fp16.
+    q_t = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[None, :] * stride_qh + dims[:, None],
+                  mask=head_mask[None, :], other=0.0).to(QUANT_DOT)
+    q_t = tl.broadcast_to(q_t[None, :, :], (STREAMS, HEAD_DIM, GROUP_PAD))   # every stream's copy
+    qk_scale = sm_scale * 1.4426950408889634                                  # scores in base 2
     m = tl.full([STREAMS, GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([STREAMS, GROUP_PAD], tl.float32)
-    acc = tl.zeros([STREAMS, GROUP_PAD, HEAD_DIM], tl.float32)
+    acc_t = tl.zeros([STREAMS, HEAD_DIM, GROUP_PAD], tl.float32)               # each stream's output, transposed
     row_stride = num_kv_heads * HEAD_DIM
     table = block_tables_ptr + seq * stride_table
     # Stream w takes keys w * STREAM_N .. (w + 1) * STREAM_N - 1 of each tile; the table entries
@@ -209,14 +220,14 @@ def decode_streams_kernel(
         slot = page.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
         offs = slot[:, :, None] * row_stride + kv_head * HEAD_DIM + dims[None, None, :]
         # Dequantise in registers, never in memory. The codes convert exactly to fp16 (e4m3 and
-        # int8 values are fp16 numbers); a key's scale multiplies its score column after the
-        # dot, and a value's scale its probability column before the second dot: the scales
-        # touch the scores, not the 8x larger K and V tiles.
+        # int8 values are fp16 numbers); a key's scale multiplies its row of scores after the
+        # dot, and a value's scale its row of probabilities before the second dot: the scales
+        # touch the scores, not the 16x larger K and V tiles.
         # Each tile crosses shared memory on its way to the tensor cores. K's rows are laid out
-        # as q @ k.T wants them, so its codes cross as they are, one byte each, and are converted
-        # as the product reads them. p @ v sums over keys: V's tile must be transposed, which
-        # only a 16-bit tile can be on the way (ldmatrix.trans), so its codes are converted
-        # first, and cross as fp16 (PIN, see codes_to_dot).
+        # as k @ q.T wants them, so its codes cross as they are, one byte each, and are converted
+        # as the product reads them. v.T @ p wants V transposed, which only a 16-bit tile can be
+        # on the way (ldmatrix.trans), so its codes are converted first, and cross as fp16 (PIN,
+        # see codes_to_dot).
         k = codes_to_dot(tl.load(k_cache_ptr + offs, mask=valid[:, :, None], other=0.0), QUANT_DOT, CODES_PTX,
                          PIN=False)
         v = codes_to_dot(tl.load(v_cache_ptr + offs, mask=valid[:, :, None], other=0.0), QUANT_DOT, CODES_PTX,
@@ -224,19 +235,20 @@ def decode_streams_kernel(
         k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
         v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
 
-        # [STREAMS, GROUP_PAD, STREAM_N]: a batched product, one stream a warp
-        scores = tl.dot(q, tl.trans(k, 0, 2, 1), input_precision=DOT_PRECISION).to(tl.float32)
-        scores = scores * (k_scale * qk_scale)[:, None, :]
-        scores = tl.where(valid[:, None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=2))
+        # [STREAMS, STREAM_N, GROUP_PAD]: scores transposed, a batched product, one stream a warp
+        scores = tl.dot(k, q_t, input_precision=DOT_PRECISION).to(tl.float32)
+        scores = scores * (k_scale * qk_scale)[:, :, None]
+        scores = tl.where(valid[:, :, None], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
         # A stream whose keys are all past the end has seen nothing: its max stays -inf, and is
         # measured against 0 so that exp2 gets no -inf - -inf (NaN).
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_ref)
-        p = tl.exp2(scores - m_ref[:, :, None])
-        l = l * alpha + tl.sum(p, axis=2)
-        p = p * v_scale[:, None, :]
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(tl.float32)
+        p = tl.exp2(scores - m_ref[:, None, :])
+        l = l * alpha + tl.sum(p, axis=1)
+        p = p * v_scale[:, :, None]
+        acc_t = acc_t * alpha[:, None, :] + tl.dot(tl.trans(v, 0, 2, 1), p.to(v.dtype),
+                                                   input_precision=DOT_PRECISION).to(tl.float32)
         m = m_new
         next_pos = pos + BLOCK_N
         page = tl.load(table + next_pos // BLOCK_SIZE, mask=next_pos < end, other=0)
@@ -244,8 +256,9 @@ def decode_streams_kernel(
     # The streams' merge: each stream's sums re-weighted by exp2(m_w - max_w m_w).
     m_all = tl.max(m, axis=0)
     weight = tl.exp2(m - tl.where(m_all == float("-inf"), 0.0, m_all)[None, :])
-    _write_split(out_ptr, lse_ptr, tl.sum(acc * weight[:, :, None], axis=0), m_all, tl.sum(l * weight, axis=0),
-                 seq * num_kv_heads * GROUP + heads, head_mask, dims, split, num_splits, HEAD_DIM, WRITE_FINAL)
+    acc = tl.trans(tl.sum(acc_t * weight[:, None, :], axis=0))
+    _write_split(out_ptr, lse_ptr, acc, m_all, tl.sum(l * weight, axis=0), seq * num_kv_heads * GROUP + heads,
+                 head_mask, dims, split, num_splits, HEAD_DIM, WRITE_FINAL)
 
 
 @triton.jit
@@ -354,17 +367,19 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     grid = (batch, num_kv_heads, num_splits)
     rest = (block_tables, seq_lens, partial, lse, sm_scale, q.stride(0), q.stride(1), block_tables.stride(0),
             num_kv_heads, num_splits)
-    shape = dict(GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+    shape = dict(GROUP=group, HEAD_DIM=head_dim,
                  BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final,
                  DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if quantised:
         quant_dot = torch.float32 if q.dtype == torch.float32 else torch.float16   # the dots' type over codes
         decode_streams_kernel[grid](
             q, k_cache, v_cache, k_scale, v_scale, *rest, **shape, STREAMS=streams,
+            GROUP_PAD=max(8, triton.next_power_of_2(group)),
             CODES_PTX=codes_ptx(k_cache, quant_dot), QUANT_DOT=tl.float32 if quant_dot == torch.float32 else tl.float16,
             **launch)
     else:
-        decode_split_kernel[grid](q, k_cache, v_cache, *rest, **shape, **launch)
+        decode_split_kernel[grid](q, k_cache, v_cache, *rest, **shape, GROUP_PAD=max(16, triton.next_power_of_2(group)),
+                                  **launch)
     if not final:
         merge_splits_kernel[(batch * num_heads,)](partial, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   SPLITS_PAD=triton.next_power_of_2(num_splits))
