@@ -21,8 +21,9 @@ it, and checked against cuDNN's before it is timed.
 ``--kv-cache-dtype fp8[,int8]`` (``quantized`` in the JSON): the engine's call over a quantised
 copy of the same cache (values and a float32 scale per token and KV head) against the bf16
 call, at QUANT_SHAPES; each output is checked against cuDNN on the dequantised K/V first. Both
-calls are timed eagerly (``time_vs_bf16``) and as CUDA-graph replays (``graph_time_vs_bf16``: the
-kernels alone, without the host's launch time).
+calls are timed eagerly (``time_vs_bf16``), as CUDA-graph replays (``graph_time_vs_bf16``: without
+the host's launch time) and by their kernels' device time (``kernel_time_vs_bf16``, torch.profiler,
+L2 flushed before each call: without the graph's launch either, as inside a step's graph).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 import kvlab  # noqa: E402,F401
-from common import arguments, bench, copy_bandwidth, environment, print_table, save  # noqa: E402
+from common import arguments, bench, copy_bandwidth, environment, kernel_seconds, print_table, save  # noqa: E402
 from kvlab.kernels import paged_decode  # noqa: E402
 from kvlab.kernels.paged_decode import choose_num_splits  # noqa: E402
 from kvlab.reference import paged_attention_ref  # noqa: E402
@@ -246,9 +247,15 @@ def quantized(batch: int, seq_len: int, kv_cache_dtype: str, num_sms: int) -> di
         bf16_graph, quant_graph = graph_seconds(bf16_call), graph_seconds(quant_call)
         row.update(bf16_graph_us=round(bf16_graph * 1e6, 1), quant_graph_us=round(quant_graph * 1e6, 1),
                    graph_time_vs_bf16=round(quant_graph / bf16_graph, 3))
+        # And the kernels' own device time (decode and merge), L2 flushed before each call: what
+        # the call costs inside a step's graph, without the graph launch that a replay adds.
+        names = ("decode_split_kernel", "decode_streams_kernel", "merge_splits_kernel")
+        bf16_kernels, quant_kernels = kernel_seconds(bf16_call, names), kernel_seconds(quant_call, names)
+        row.update(bf16_kernel_us=round(bf16_kernels * 1e6, 1), quant_kernel_us=round(quant_kernels * 1e6, 1),
+                   kernel_time_vs_bf16=round(quant_kernels / bf16_kernels, 3))
     else:
         row.update(quant_us=quant, quant_TBps="-", time_vs_bf16="-", bf16_graph_us="-", quant_graph_us="-",
-                   graph_time_vs_bf16="-")
+                   graph_time_vs_bf16="-", bf16_kernel_us="-", quant_kernel_us="-", kernel_time_vs_bf16="-")
     print(row, flush=True)
     del b, out
     torch.cuda.empty_cache()

@@ -40,6 +40,32 @@ def bench_host_loop(fn, repeat: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def kernel_seconds(fn, names: tuple[str, ...], reps: int = 20) -> float:
+    """Mean device time, in seconds, of the GPU kernels ``fn()`` launches whose names contain one
+    of ``names``, with the L2 cache flushed before every call (torch.profiler's kernel records).
+
+    Events around one call (``bench``), even a CUDA-graph replay, also count the time between
+    them that no kernel runs: about 10-15 us on an H200 for a graph's launch, a large share of a
+    100 us call, and one a step's graph pays once for all its kernels, not per attention call.
+    The flush reads 256 MB rather than writing them (``bench``'s flush writes): a written flush
+    leaves the L2 full of dirty lines, whose write-back (about 10 us of an H200's DRAM time) the
+    timed call would pay, as no call inside a step does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flush = torch.ones(64 << 20, dtype=torch.float32, device="cuda")
+    fn()
+    flush.sum()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            flush.sum()
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time_total for e in prof.key_averages()
+                   if e.device_type.name == "CUDA" and any(n in e.key for n in names))
+    return total_us / reps / 1e6
+
+
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy rate in bytes/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device="cuda")

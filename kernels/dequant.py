@@ -26,14 +26,14 @@ def codes_to_dot(codes, DOT: tl.constexpr, PTX: tl.constexpr, PIN: tl.constexpr 
     and Triton moves a plain conversion of a loaded tile (``.to``, or this PTX marked pure) past
     that crossing, to the dot's operand: the tile crosses as codes, a byte each, and is converted
     as the product reads it. That suits a tile already laid out as the product wants it (K, in
-    ``q @ k.T``): a third of the shared-memory traffic. A tile that must be transposed on the way
-    (V, in ``p @ v``) does not suit it: 8-bit codes have no transposing ``ldmatrix`` on Hopper, so
-    they are read back a few bytes at a time and shuffled into place, several instructions for
-    every useful one. Pinned (``PIN=True``, the PTX marked impure), the conversion stays where it
-    is written, right after the load, and the tile crosses shared memory as fp16, read by
-    ``ldmatrix.trans`` like a 16-bit tile. Compiled for an H200 (sm_90), ``paged_decode``'s loop
-    went from 1,386 to 897 instructions per warp and tile with fp8 codes (V pinned, K not),
-    from 1,782 to 1,020 with int8.
+    ``q @ k.T`` or ``k @ q.T``): a third of the shared-memory traffic. A tile that must be
+    transposed on the way (V, in ``p @ v`` or ``v.T @ p``) does not suit it: 8-bit codes have no
+    transposing ``ldmatrix`` on Hopper, so they are read back a few bytes at a time and shuffled
+    into place, several instructions for every useful one. Pinned (``PIN=True``, the PTX marked
+    impure), the conversion stays where it is written, right after the load, and the tile
+    crosses shared memory as fp16, read by ``ldmatrix.trans`` like a 16-bit tile. Compiled for an
+    H200 (sm_90), ``paged_decode``'s loop went from 1,386 to 897 instructions per warp and tile
+    with fp8 codes (V pinned, K not), from 1,782 to 1,020 with int8.
     """
     if PTX == "e4m3":
         return tl.inline_asm_elementwise(

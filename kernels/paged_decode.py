@@ -356,7 +356,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     if q.is_cuda:
         # bf16: 8 warps, 2 stages (3 would take 139 KB of shared memory, one program an SM). A
         # quantised cache: a warp a stream, 3 stages (two tiles loading while one is computed):
-        # four 2-warp programs an SM (H200 sweeps; benchmarks/RESULTS.md, 2026-12-02).
+        # four 2-warp programs an SM (H200 sweeps; benchmarks/RESULTS.md, 2026-12-02 and -03).
         num_warps = streams if quantised else (num_warps or 8)
         num_stages = num_stages or (3 if quantised else 2)
     lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
