@@ -265,9 +265,10 @@ def quantized_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, 
     caches = [t.to(DEVICE) for x in (key, value) for t in quantize_kv(x.to(dtype), kv_cache_dtype)]
     caches = caches[0], caches[2], caches[1], caches[3]     # k_cache, v_cache, k_scale, v_scale
     # Every slot that holds no token of its sequence (the rest of a last page, spare blocks) is
-    # poisoned: NaN codes (fp8; int8 has none) and NaN scales, which no output may show. (The
-    # kernel reads V's codes past the end unmasked and zeroes them; Triton's interpreter turns
-    # e4m3's NaN code into 480, so there a leak gives 0 * 480 = 0: only a GPU run can see it.)
+    # poisoned: NaN codes (fp8; int8 has none) and NaN scales, which no output may show. (A key
+    # past the end gets zero weight, but a NaN value code read there would still leak as
+    # 0 * NaN = NaN; Triton's interpreter turns e4m3's NaN code into 480, and 0 * 480 = 0: only a
+    # GPU run can see that leak.)
     used = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     for table, n in zip(tables, lens):
         pos = torch.arange(n)
@@ -301,6 +302,22 @@ def test_paged_decode_over_a_quantised_cache(kv_cache_dtype, dtype, num_heads, n
                  v_scale=v_scale)
     assert not bool(out.isnan().any())
     assert relative_error(out, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", FORMATS)
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (16, 1)])
+def test_paged_decode_over_a_quantised_cache_pads_the_group(kv_cache_dtype, num_heads, num_kv_heads):
+    """GQA groups of 3 and 16 query heads: the quantised kernel pads a group to the 8 columns of
+    an MMA tile (3 of 8 used) or takes 16 columns; no padded column may reach the output."""
+    lens = [37, 5]
+    q, (k_cache, v_cache, k_scale, v_scale), tables, seq_lens = quantized_batch(
+        lens, num_heads, num_kv_heads, 32, 16, torch.float32, kv_cache_dtype, seed=5)
+    ref = paged_attention_ref(q, dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale), tables, lens,
+                              dtype=torch.float64)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, k_cache, v_cache, tables, seq_lens, num_splits=3, out=out, k_scale=k_scale, v_scale=v_scale)
+    assert not bool(out.isnan().any())
+    assert relative_error(out, ref) < 1e-5
 
 
 def test_paged_decode_block_size_not_a_power_of_two():
