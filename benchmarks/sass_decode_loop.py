@@ -72,9 +72,9 @@ def compile_decode(workdir: Path, fmt: str, block_n: int, num_warps: int, num_st
         sig.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
     sig.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32", sm_scale="fp32",
                stride_qt="i32", stride_qh="i32", stride_table="i32", num_kv_heads="i32", num_splits="i32")
-    # the launcher pads the GQA group to the tensor cores' narrowest tile: 8 columns (streams), 16 rows
-    constexprs = dict(GROUP=4, GROUP_PAD=8 if quant else 16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=block_n, WRITE_FINAL=False,
-                      DOT_PRECISION="tf32")
+    # the launcher pads the GQA group to the MMA tile's narrowest side: 8 columns (streams), 16 rows
+    constexprs = dict(GROUP=4, GROUP_PAD=8 if quant else 16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=block_n,
+                      WRITE_FINAL=False, DOT_PRECISION="tf32")
     if quant:
         kernel = kernels.decode_streams_kernel
         constexprs.update(QUANT_DOT=tl.float16, CODES_PTX={"fp8": "e4m3", "int8": "int8"}[fmt], STREAMS=num_warps)

@@ -367,19 +367,19 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     grid = (batch, num_kv_heads, num_splits)
     rest = (block_tables, seq_lens, partial, lse, sm_scale, q.stride(0), q.stride(1), block_tables.stride(0),
             num_kv_heads, num_splits)
-    shape = dict(GROUP=group, HEAD_DIM=head_dim,
-                 BLOCK_SIZE=block_size, BLOCK_N=block_n, WRITE_FINAL=final,
-                 DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    # The GQA group padded to the MMA tile's narrowest side: the streams kernel's 8 columns, the
+    # split kernel's 16 rows.
+    group_pad = max(8 if quantised else 16, triton.next_power_of_2(group))
+    shape = dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_N=block_n,
+                 WRITE_FINAL=final, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     if quantised:
         quant_dot = torch.float32 if q.dtype == torch.float32 else torch.float16   # the dots' type over codes
         decode_streams_kernel[grid](
             q, k_cache, v_cache, k_scale, v_scale, *rest, **shape, STREAMS=streams,
-            GROUP_PAD=max(8, triton.next_power_of_2(group)),
             CODES_PTX=codes_ptx(k_cache, quant_dot), QUANT_DOT=tl.float32 if quant_dot == torch.float32 else tl.float16,
             **launch)
     else:
-        decode_split_kernel[grid](q, k_cache, v_cache, *rest, **shape, GROUP_PAD=max(16, triton.next_power_of_2(group)),
-                                  **launch)
+        decode_split_kernel[grid](q, k_cache, v_cache, *rest, **shape, **launch)
     if not final:
         merge_splits_kernel[(batch * num_heads,)](partial, lse, out, num_splits, HEAD_DIM=head_dim,
                                                   SPLITS_PAD=triton.next_power_of_2(num_splits))
