@@ -21,6 +21,9 @@ Also: peak memory of naive attention and of the kernel for one sequence of growi
 (codes and a float32 scale per token and KV head, dequantised in registers) against the bf16
 call, in the same run; ``time_vs_bf16`` is the quantised time over the bf16 one (the goal: at
 most 1 / 0.9). Each output is checked first against the contiguous kernel on the dequantised K/V.
+Where the engine's call takes the warp-specialised kernel (``warp_specialized``: on an sm_90 GPU,
+long steps, ``kvlab.kernel_plan.warp_specialized_extend``), ``triton_time_vs_bf16`` times the
+Triton kernel it replaces, in the same run.
 """
 from __future__ import annotations
 
@@ -185,22 +188,31 @@ def quantized_extend_inputs(batch, prefix, new, dim, kv_cache_dtype) -> dict:
 
 def quantized_extend(batch, prefix, new, dim, kv_cache_dtype) -> dict:
     """The engine's extend call on a ``kv_cache_dtype`` cache against the bf16 one, same K/V."""
+    from kvlab.kernel_plan import warp_specialized_extend
     from kvlab.models.backends import reads_new_kv
 
     assert not reads_new_kv(prefix + new, new)      # extends: every key through the table, as timed
     case = quantized_extend_inputs(batch, prefix, new, dim, kv_cache_dtype)
     want = case["want"]
 
-    def quant_call():
-        return paged_prefill(*case["quant_args"], **case["quant_scales"], **case["hints"])
+    def quant_call(**kernel):
+        return paged_prefill(*case["quant_args"], **case["quant_scales"], **case["hints"], **kernel)
+
+    def triton_call():   # the Triton kernel, where the engine's call takes the warp-specialised one
+        return quant_call(warp_specialized=False)
 
     err = float((quant_call().float() - want).abs().max())
+    err_triton = float((triton_call().float() - want).abs().max())
     bf16 = bench(lambda: paged_prefill(*case["args"], **case["hints"]))
     quant = bench(quant_call)
+    triton_only = bench(triton_call)
     row = {"kv_cache_dtype": kv_cache_dtype, "batch": batch, "prefix": prefix, "new": new, "head_dim": dim,
-           "err": err, "bf16_TFLOPs": round(case["flops"] / bf16 / 1e12, 1),
+           "err": err, "err_triton": err_triton, "bf16_TFLOPs": round(case["flops"] / bf16 / 1e12, 1),
            "quant_TFLOPs": round(case["flops"] / quant / 1e12, 1), "bf16_us": round(bf16 * 1e6, 1),
-           "quant_us": round(quant * 1e6, 1), "time_vs_bf16": round(quant / bf16, 3),
+           "quant_us": round(quant * 1e6, 1), "triton_kernel_us": round(triton_only * 1e6, 1),
+           "warp_specialized": warp_specialized_extend(kv_cache_dtype, dim, prefix + new,
+                                                       torch.cuda.get_device_capability()),
+           "time_vs_bf16": round(quant / bf16, 3), "triton_time_vs_bf16": round(triton_only / bf16, 3),
            "meets_goal": quant / bf16 <= 1 / 0.9}
     print(row, flush=True)
     del case, want

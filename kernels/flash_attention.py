@@ -18,7 +18,9 @@ Two kernels run that same loop and differ only in where a tile of K/V comes from
   sequence's block table. This is the engine's prefill/extend attention: new tokens attend to
   the cached prefix and to themselves. Handed the step's own K/V (``k_new``/``v_new``), it
   reads the new tokens' keys from them as whole tiles and only the prefix through the table.
-  Over a quantised cache (fp8, int8) it reads the codes and dequantises in registers.
+  Over a quantised cache (fp8, int8) it reads the codes and dequantises in registers; on an
+  H200, long steps over such a cache go to :mod:`kvlab.kernels.paged_prefill_ws` instead, the
+  same loop written in Gluon with warps of its own for the dequantising.
 
 Causal attention is bottom-right aligned: a sequence's ``len_q`` queries are its *last*
 ``len_q`` positions, so query ``i`` sees keys ``0 .. len_k - len_q + i`` (prefill, decode and
@@ -26,6 +28,7 @@ extending a cached prefix are one rule). See :func:`kvlab.reference.attention_re
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -38,6 +41,7 @@ from kvlab.quantization import kv_cache_format
 # The tile sizes are planned without Triton, in kvlab.kernel_plan (re-exported here); its
 # causal_tile_bounds is the Python twin of _causal_bounds below.
 from kvlab.kernel_plan import SHARED_MEMORY_BUDGET, tile_config  # noqa: F401
+from kvlab.kernel_plan import WS_CAPABILITY, WS_HEAD_DIMS, warp_specialized_extend
 from kvlab.kernel_plan import launch_config as _launch_config
 # The argument checks live in kvlab.kernels.attention_checks (on helpers of kvlab.kernels.checks);
 # re-exported here.
@@ -404,6 +408,42 @@ def _tile_descriptor(t: torch.Tensor, rows: int, varlen: bool):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
+@functools.lru_cache(maxsize=16)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=1)
+def _has_gluon() -> bool:
+    try:
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+        from triton.experimental.gluon.language import warp_specialize  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _takes_warp_specialized(asked: bool | None, q, k_cache, k_scale, k_new, out, max_seq_len) -> bool:
+    """Whether ``paged_prefill`` hands the step to ``paged_prefill_ws`` (see its docstring)."""
+    if asked is False:
+        return False
+    why_not = None
+    if k_scale is None:
+        why_not = "the cache is not quantised (no k_scale)"
+    elif not q.is_cuda or _capability(q.device) != WS_CAPABILITY or not _has_gluon():
+        why_not = "it needs an sm_90 GPU and Triton's Gluon (Triton 3.6 or later)"
+    elif q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in WS_HEAD_DIMS:
+        why_not = f"it takes float16/bfloat16 q of head_dim {WS_HEAD_DIMS}, got {q.dtype}, {q.shape[-1]}"
+    elif k_new is not None or q.stride(-1) != 1 or (out is not None and out.stride(-1) != 1):
+        why_not = "it reads every key through the table (no k_new) and head_dim-contiguous q and out"
+    if asked:
+        if why_not is not None:
+            raise ValueError(f"warp_specialized=True: paged_prefill_ws cannot run this step: {why_not}")
+        return True
+    return why_not is None and warp_specialized_extend(kv_cache_format(k_cache.dtype).name, q.shape[-1],
+                                                       max_seq_len, _capability(q.device))
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs: exact products ("ieee"), not TF32's 10-bit mantissas, so float32 is the
     # accurate reference path. float16/bfloat16 run on the tensor cores either way.
@@ -473,7 +513,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
                   max_query_len: int | None = None, cu_query_lens: torch.Tensor | None = None,
                   max_seq_len: int | None = None, out: torch.Tensor | None = None, validate: bool = True, block_m: int | None = None,
                   block_n: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
-                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  warp_specialized: bool | None = None) -> torch.Tensor:
     """Causal attention of a step's new tokens to their sequences' paged K/V (prefill and extend).
 
     ``q`` ``[total_q, num_heads, head_dim]`` packs every sequence's new tokens in batch order;
@@ -493,6 +534,12 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     the codes and dequantises in registers (the scales applied to the scores and to the softmax
     weights, see ``_attend_tile``). Given ``k_new``/``v_new`` as well, the new tokens attend to
     those exactly and only the prefix is dequantised; without them, to what the cache holds.
+
+    Over a quantised cache on an sm_90 GPU, with every key through the table, a step whose longest
+    sequence is long enough goes to :func:`kvlab.kernels.paged_prefill_ws.paged_prefill_ws`, whose
+    own warps dequantise while others multiply (``max_seq_len`` must be given; the rule is
+    :func:`kvlab.kernel_plan.warp_specialized_extend`). ``warp_specialized`` True asks for that
+    kernel (a ValueError where it cannot run), False for this one.
 
     ``validate`` checks every argument before the launch, with one read back to the host (a
     check kernel's statistics of the lengths and the used block-table entries, which also give
@@ -521,6 +568,16 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     # verified a given one, or wrote it).
     if cu_query_lens is None:
         cu_query_lens = torch.nn.functional.pad(torch.cumsum(query_lens, 0, dtype=torch.int32), (1, 0))
+    tiles_given = any(x is not None for x in (block_m, block_n, num_warps, num_stages))
+    if warp_specialized and tiles_given:
+        raise ValueError("block_m, block_n, num_warps and num_stages set this kernel's tiles: "
+                         "not with warp_specialized=True")
+    if _takes_warp_specialized(False if tiles_given else warp_specialized, q, k_cache, k_scale, k_new, out,
+                               max_seq_len):
+        from kvlab.kernels.paged_prefill_ws import paged_prefill_ws
+
+        return paged_prefill_ws(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, k_scale,
+                                v_scale, sm_scale, out)
     cfg = _launch_config(head_dim, max_query_len, block_m, block_n, num_warps, num_stages, q.element_size(),
                          max_len_k=max_seq_len,
                          kv_cache_dtype="auto" if k_scale is None else kv_cache_format(k_cache.dtype).name)

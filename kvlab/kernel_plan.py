@@ -7,7 +7,7 @@ functions from this module, :mod:`kvlab.viz` draws what it computes, and the tes
 without compiling or interpreting a kernel.
 
 * **tiles**: :data:`GPU_BLOCK_N`, :data:`INTERPRETER_BLOCK_N`, :func:`tile_config`,
-  :func:`launch_config`;
+  :func:`launch_config`; :func:`warp_specialized_extend`, which prefill kernel a quantised cache takes;
 * **FlashAttention** (chapter 5): :func:`causal_tile_bounds`, the Python twin of the kernels'
   ``_causal_bounds``; :func:`tile_schedule` and :func:`paged_reads`, what every program does
   with every tile of keys;
@@ -94,6 +94,25 @@ def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | No
         if cfg["BLOCK_M"] < rows_for_8_warps and not profile.INTERPRETED:
             cfg["num_warps"] = 4
     return cfg
+
+
+# Prefill/extend over a quantised cache on an H200: kernels/paged_prefill_ws.py, whose own warps
+# dequantise while two warpgroups multiply, took fp8 extends over a 3K-32K prefix from 1.8-1.9x to
+# 1.2-1.4x bf16's time, and chunks over a 768-token prefix from 1.8x to 2.2x (one 128-query program
+# has too few tiles to fill its ring); head_dim 64 gained nothing (benchmarks/RESULTS.md, 2026-12-03).
+WS_MIN_SEQ_LEN = 4096       # the longest sequence of the step, from which the warp-specialised kernel pays
+WS_HEAD_DIMS = (128,)
+WS_CAPABILITY = (9, 0)      # Hopper's warpgroup MMAs; sm_100 has other tensor-core instructions
+
+
+def warp_specialized_extend(kv_cache_dtype: str, head_dim: int, max_seq_len: int | None,
+                            capability: tuple[int, int] | None) -> bool:
+    """Whether ``paged_prefill`` takes ``paged_prefill_ws`` (every key through the block table):
+    over an fp8/int8 cache, on an sm_90 GPU (``capability``; ``None`` off a GPU), for
+    ``head_dim`` 128 and steps whose longest sequence (``max_seq_len``, when the caller knows it)
+    reaches :data:`WS_MIN_SEQ_LEN` tokens."""
+    return (kv_cache_dtype in ("fp8", "int8") and head_dim in WS_HEAD_DIMS and capability == WS_CAPABILITY
+            and max_seq_len is not None and max_seq_len >= WS_MIN_SEQ_LEN)
 
 
 def launch_config(head_dim, max_len_q, block_m, block_n, num_warps, num_stages, element_size=2,

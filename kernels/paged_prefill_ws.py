@@ -1,0 +1,268 @@
+"""paged_prefill_ws: prefill/extend attention over a quantised cache, with warps that dequantise
+while others multiply (Hopper, written in Gluon).
+
+Over an fp8 or int8 cache, :func:`kvlab.kernels.flash_attention.paged_prefill` converts every
+tile of codes in the warps that then run the products: load the codes, convert them, store them
+to shared memory again as 16-bit numbers, wait for every warp, multiply. The tensor cores sit
+idle while the conversion runs, and a chunk over the cache takes 1.7-1.9x bf16's time on an H200.
+
+This kernel gives the conversion warps of its own (warp specialisation, FlashAttention-3's
+producer/consumer split). One program, 128 queries of one head, holds three groups of warps:
+
+* the **dequantising warps** (4) copy each tile's codes and scales from the paged cache into a
+  staging area (``cp.async``, a tile ahead), convert the codes, and write them into a ring of
+  ``STAGES`` tiles in shared memory, where the tensor cores read them;
+* two **attending warpgroups** (4 warps each, 64 queries each) run FlashAttention's loop on
+  the ring: ``q @ k.T``, the online softmax, ``p @ v``.
+
+Two barriers per stage of the ring pass each tile along: ``ready`` (the dequantising warps have
+written it) and ``empty`` (both warpgroups are done with it). The codes go into the products
+exactly, as in ``paged_prefill``: e4m3 and int8 values are all fp16 numbers (``q @ k.T`` runs in
+fp16) and bf16 numbers (``p @ v`` in bf16, whose range ``p * v_scale`` needs); a key's scale
+multiplies its column of scores, a value's scale its column of ``p``.
+
+Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
+is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
+runs on a GPU (sm_90); ``paged_prefill`` takes it where :func:`kvlab.kernel_plan.warp_specialized_extend`
+says it pays, and its own Triton kernel everywhere else.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+
+LOG2_E = 1.4426950408889634
+# Measured on an H200 (benchmarks/RESULTS.md, 2026-12-03): 4 stages of 64 keys, the codes copied
+# 2 tiles ahead, 4 dequantising warps; registers shared out as 200 a thread for the attending
+# warpgroups and 96 for the dequantising warps.
+BLOCK_M, BLOCK_N, STAGES, DEPTH, CONVERT_WARPS, ATTEND_REGS, CONVERT_REGS = 128, 64, 4, 2, 4, 200, 96
+
+
+# -- the dequantising warps ------------------------------------------------------------------
+@gluon.jit
+def _tile_pages(table_ptr, start_n, limit, rows, BLOCK_SIZE: gl.constexpr):
+    pos = start_n + rows
+    return gl.load(table_ptr + pos // BLOCK_SIZE, mask=pos < limit, other=0)
+
+
+@gluon.jit
+def _copy_tile(codes_k, codes_v, scales_k, scales_v, slot, pages, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+               kv_head, limit, start_n, rows, cols, BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+               HEAD_DIM: gl.constexpr):
+    """Start copying the codes and scales of keys ``start_n ..`` (their table entries ``pages``) into
+    staging ``slot``; keys at or past ``limit`` come as zeros (never a NaN past the end)."""
+    pos = start_n + rows
+    valid = pos < limit
+    row = (pages.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+    offs = row[:, None] * HEAD_DIM + cols[None, :]
+    async_copy.async_copy_global_to_shared(codes_k.index(slot), k_cache_ptr + offs, mask=valid[:, None])
+    async_copy.async_copy_global_to_shared(codes_v.index(slot), v_cache_ptr + offs, mask=valid[:, None])
+    async_copy.async_copy_global_to_shared(scales_k.index(slot), k_scale_ptr + row, mask=valid)
+    async_copy.async_copy_global_to_shared(scales_v.index(slot), v_scale_ptr + row, mask=valid)
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _dequantise(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, seq_len, n_tiles,
+                k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+                BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Fill the ring with tiles 0 .. n_tiles - 1: codes converted, scales beside them."""
+    # A thread copies 16 codes of a row at once and reads back exactly the bytes it copied, so
+    # waiting for its own copies is enough: these warps never wait for one another.
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // HEAD_DIM, HEAD_DIM // 16], [NUM_WARPS, 1], [1, 0])
+    row_layout: gl.constexpr = gl.SliceLayout(1, layout)
+    rows = gl.arange(0, BLOCK_N, layout=row_layout)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+    plain_1d: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    codes_k = gl.allocate_shared_memory(k_cache_ptr.dtype.element_ty, [DEPTH, BLOCK_N, HEAD_DIM], plain)
+    codes_v = gl.allocate_shared_memory(v_cache_ptr.dtype.element_ty, [DEPTH, BLOCK_N, HEAD_DIM], plain)
+    scales_k = gl.allocate_shared_memory(gl.float32, [DEPTH, BLOCK_N], plain_1d)
+    scales_v = gl.allocate_shared_memory(gl.float32, [DEPTH, BLOCK_N], plain_1d)
+    limit = gl.minimum(seq_len, n_tiles * BLOCK_N)
+
+    # The first DEPTH tiles' copies leave at once; each table entry is read a tile ahead.
+    pages = _tile_pages(table_ptr, 0, limit, rows, BLOCK_SIZE)
+    for t in gl.static_range(DEPTH):
+        next_pages = _tile_pages(table_ptr, (t + 1) * BLOCK_N, limit, rows, BLOCK_SIZE)
+        _copy_tile(codes_k, codes_v, scales_k, scales_v, t, pages, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
+                   kv_head, limit, t * BLOCK_N, rows, cols, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        pages = next_pages
+    for j in range(n_tiles):
+        slot = j % DEPTH
+        async_copy.wait_group(DEPTH - 1)               # tile j's copies have landed
+        k = codes_k.index(slot).load(layout).to(gl.float16)
+        v = codes_v.index(slot).load(layout).to(gl.float32).to(gl.bfloat16)
+        k_scale = scales_k.index(slot).load(row_layout)
+        v_scale = scales_v.index(slot).load(row_layout)
+        # The slot's contents are in registers now: refill it with tile j + DEPTH.
+        next_pages = _tile_pages(table_ptr, (j + DEPTH + 1) * BLOCK_N, limit, rows, BLOCK_SIZE)
+        _copy_tile(codes_k, codes_v, scales_k, scales_v, slot, pages, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                   v_scale_ptr, kv_head, limit, (j + DEPTH) * BLOCK_N, rows, cols, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        pages = next_pages
+        # Wait for both warpgroups to be done with the stage's last tile, then hand this one over.
+        stage = j % STAGES
+        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+        k_ring.index(stage).store(k)
+        v_ring.index(stage).store(v)
+        k_scale_ring.index(stage).store(k_scale)
+        v_scale_ring.index(stage).store(v_scale)
+        fence_async_shared()                           # make the stores visible to the tensor cores' reads
+        mbarrier.arrive(ready.index(stage))
+    async_copy.wait_group(0)
+
+
+# -- the attending warpgroups ----------------------------------------------------------------
+@gluon.jit
+def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty, j_start, j_end,
+                  seq_len, shift, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                  s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """FlashAttention's loop over ring tiles ``j_start .. j_end - 1`` (``_attend_tile`` of
+    flash_attention.py, with the products as Hopper's warpgroup MMAs)."""
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    zero = gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=s_layout)
+    for j in range(j_start, j_end):
+        stage = j % STAGES
+        mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
+        s = warpgroup_mma(q, k_ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
+        k_scale = k_scale_ring.index(stage).load(gl.SliceLayout(0, s_layout))     # while the product runs
+        v_scale = v_scale_ring.index(stage).load(gl.SliceLayout(0, s_layout))
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        s = s * k_scale[None, :]
+        if MASKED:
+            pos = j * BLOCK_N + offs_n
+            visible = (pos[None, :] < seq_len) & (pos[None, :] <= offs_m[:, None] + shift)
+            s = gl.where(visible, s, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        p = gl.convert_layout((p * v_scale[None, :]).to(gl.bfloat16),
+                              gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        acc = warpgroup_mma(p, v_ring.index(stage), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index(stage))
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _attend(q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh, stride_ot, stride_oh, seq_len,
+            n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+            HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: queries ``start_m .. start_m + ROWS - 1`` of the sequence over every tile of the ring."""
+    # The MMAs' accumulator layouts: 4 warps down the rows, 16 rows each.
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
+    rows = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
+    q_ptrs = q_ptr + (q_start + rows[:, None]).to(gl.int64) * stride_qt + head * stride_qh + cols[None, :]
+    q = gl.load(q_ptrs, mask=rows[:, None] < len_q, other=0.0).to(gl.float16)
+    q = gl.convert_layout(q, gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))  # stays in registers
+
+    offs_m = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    # Tiles every one of these queries sees in full, unmasked; then the causal diagonal and the
+    # ragged end, masked. Both warpgroups take every tile (the ring's stages are released by
+    # both): the first one's last tile may be all masked, and adds nothing.
+    shift = seq_len - len_q
+    n_full = gl.minimum((start_m + shift + 1) // BLOCK_N, n_tiles)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+                                  0, n_full, seq_len, shift, qk_scale, False, BLOCK_N, STAGES, s_layout, o_layout)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+                                  n_full, n_tiles, seq_len, shift, qk_scale, True, BLOCK_N, STAGES, s_layout, o_layout)
+    out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+    out = gl.convert_layout(out.to(out_ptr.dtype.element_ty), io_layout)
+    out_ptrs = out_ptr + (q_start + rows[:, None]).to(gl.int64) * stride_ot + head * stride_oh + cols[None, :]
+    gl.store(out_ptrs, out, mask=rows[:, None] < len_q)
+
+
+@gluon.jit
+def paged_prefill_ws_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,   # q/out [total_q, num_heads, HEAD_DIM]; codes [blocks, BLOCK_SIZE, kv_heads, HEAD_DIM]
+    k_scale_ptr, v_scale_ptr,                   # [blocks, BLOCK_SIZE, kv_heads] float32
+    block_tables_ptr, seq_lens_ptr, cu_query_lens_ptr,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_table, group, qk_scale,
+    BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr, CONVERT_WARPS: gl.constexpr,
+    ATTEND_REGS: gl.constexpr, CONVERT_REGS: gl.constexpr,
+):
+    # One program: BLOCK_M new tokens of one head of one sequence (the grid of paged_prefill_kernel).
+    pid_m = gl.program_id(0)
+    head = gl.program_id(1)
+    seq = gl.program_id(2).to(gl.int64)
+    q_start = gl.load(cu_query_lens_ptr + seq)
+    len_q = gl.load(cu_query_lens_ptr + seq + 1) - q_start
+    start_m = pid_m * BLOCK_M
+    if start_m < len_q:
+        seq_len = gl.load(seq_lens_ptr + seq)
+        # the keys any of the block's queries sees (its last query sees the most)
+        n_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M + seq_len - len_q, seq_len), BLOCK_N)
+
+        # The ring: K's tiles as fp16, V's as bf16, laid out as the warpgroup MMAs read them.
+        k_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16))
+        v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16))
+        plain_1d: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        k_scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], plain_1d)
+        v_scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], plain_1d)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)     # the dequantising warps arrive once
+            mbarrier.init(empty.index(i), count=2)     # both attending warpgroups do
+
+        ROWS: gl.constexpr = BLOCK_M // 2
+        gl.warp_specialize([
+            # the kernel's own warps: the first 64 queries
+            (_attend, (q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh, stride_ot, stride_oh,
+                       seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+                       HEAD_DIM, ROWS, BLOCK_N, STAGES)),
+            # a second warpgroup: the next 64
+            (_attend, (q_ptr, out_ptr, q_start, start_m + ROWS, len_q, head, stride_qt, stride_qh, stride_ot,
+                       stride_oh, seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+                       HEAD_DIM, ROWS, BLOCK_N, STAGES)),
+            (_dequantise, (k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * stride_table,
+                           head // group, seq_len, n_tiles, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+                           BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
+                           STAGES, DEPTH, CONVERT_WARPS)),
+        ], [4, CONVERT_WARPS], [ATTEND_REGS, CONVERT_REGS])
+
+
+def paged_prefill_ws(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len: int, k_scale, v_scale,
+                     sm_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``paged_prefill`` over a quantised cache (every key through the block table), for an sm_90 GPU.
+
+    Arguments as :func:`kvlab.kernels.flash_attention.paged_prefill`'s, already checked there;
+    ``cu_query_lens`` the running sum of the query lengths with a leading 0."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch = seq_lens.shape[0]
+    if batch == 0 or num_tokens == 0 or max_query_len == 0:
+        return out
+    grid = (triton.cdiv(max_query_len, BLOCK_M), num_heads, batch)
+    paged_prefill_ws_kernel[grid](
+        q, k_cache, v_cache, out, k_scale, v_scale, block_tables, seq_lens, cu_query_lens, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1), block_tables.stride(0), num_heads // num_kv_heads, sm_scale * LOG2_E,
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        STAGES=STAGES, DEPTH=DEPTH, CONVERT_WARPS=CONVERT_WARPS, ATTEND_REGS=ATTEND_REGS, CONVERT_REGS=CONVERT_REGS,
+        num_warps=4)
+    return out
