@@ -31,8 +31,9 @@ def run(plan: dict) -> dict[int, int]:
     ``timeout_s``. Returns each group's exit code, -N for a child killed by signal N."""
     os.chdir(plan["cwd"])
     os.environ.update(plan["env"])
-    if plan["cwd"] not in sys.path:
-        sys.path.insert(0, plan["cwd"])
+    # Chapters are imported by path (kvlab.grading.load_chapter); with the checkout on sys.path its
+    # kernels/ folder would shadow the `kernels` package that transformers imports.
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(plan["cwd"]).resolve()]
     if not hasattr(os, "fork"):
         raise RuntimeError("kvlab's grader forks its test processes: run it on Linux, macOS or WSL2")
     for name in STACK:

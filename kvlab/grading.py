@@ -10,6 +10,7 @@ kernel task and one or more for the other tasks, one per CPU core.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import linecache
 import os
@@ -57,10 +58,28 @@ def load_chapter(chapter: str, impl: str = "exercises", reload: bool = False):
     if not (ROOT / impl / f"{chapter}.py").exists():
         raise FileNotFoundError(f"{impl}/{chapter}.py not found under {ROOT}: kvlab must be installed "
                                 "from a checkout of the course (pip install -e .)")
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
+    _import_folder(impl)
     module = importlib.import_module(f"{impl}.{chapter}")
     return importlib.reload(module) if reload else module
+
+
+def _import_folder(impl: str) -> None:
+    """Import ``exercises/`` or ``solutions/`` as a package by its path.
+
+    Putting the checkout on ``sys.path`` instead would make its ``kernels/`` folder shadow the
+    ``kernels`` package that transformers imports (the course's kernels are ``kvlab.kernels``).
+    """
+    folder = ROOT / impl
+    module = sys.modules.get(impl)
+    if module is not None and Path(module.__file__).resolve().parent == folder.resolve():
+        return
+    for name in [name for name in sys.modules if name == impl or name.startswith(impl + ".")]:
+        del sys.modules[name]      # another checkout's (a grader's copy): forget it
+    spec = importlib.util.spec_from_file_location(impl, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[impl] = module
+    spec.loader.exec_module(module)
 
 
 # Tasks whose tests launch the learner's Triton kernel, and the kernel: each runs in a process of

@@ -225,3 +225,15 @@ def test_show_solution_prints_one_tasks_section_and_names_bad_tasks(capsys):
     # a task answered by the course's own kernel reveals that kernel's source too
     kvlab.show_solution("ch02", "write_kv_kernel")
     assert "def write_kv_kernel(" in capsys.readouterr().out
+
+
+def test_loading_a_chapter_leaves_transformers_its_kernels_package():
+    """The checkout's kernels/ folder is kvlab.kernels: loading a chapter must not put the checkout
+    on sys.path, where that folder would shadow the `kernels` package transformers imports."""
+    grading.load_chapter("ch02", "exercises")
+    assert str(grading.ROOT) not in sys.path and "" not in sys.path
+    code = ("import sys; from kvlab import grading; grading.load_chapter('ch02', 'solutions'); "
+            "import transformers; transformers.LlamaConfig(); print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], cwd=Path(kvlab.__file__).parent, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
