@@ -97,9 +97,10 @@ def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | No
 
 
 # Prefill/extend over a quantised cache on an H200: kernels/paged_prefill_ws.py, whose own warps
-# dequantise while two warpgroups multiply, took fp8 extends over a 3K-32K prefix from 1.8-1.9x to
-# 1.2-1.4x bf16's time, and chunks over a 768-token prefix from 1.8x to 2.2x (one 128-query program
-# has too few tiles to fill its ring); head_dim 64 gained nothing (benchmarks/RESULTS.md, 2026-12-03).
+# dequantise while two warpgroups multiply, takes fp8 extends over a 3K-32K prefix from 1.8-1.9x to
+# 1.2x bf16's time (int8 to 1.4-1.5x), but took chunks over a 768-token prefix from 1.8x to 1.9-2.2x
+# (a program has too few tiles to fill its ring); head_dim 64 gained nothing (benchmarks/RESULTS.md,
+# 2026-12-03).
 WS_MIN_SEQ_LEN = 4096       # the longest sequence of the step, from which the warp-specialised kernel pays
 WS_HEAD_DIMS = (128,)
 WS_CAPABILITY = (9, 0)      # Hopper's warpgroup MMAs; sm_100 has other tensor-core instructions
