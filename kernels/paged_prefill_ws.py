@@ -28,8 +28,6 @@ says it pays, and its own Triton kernel everywhere else.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 from triton.experimental import gluon
@@ -245,19 +243,15 @@ def paged_prefill_ws_kernel(
 
 
 def paged_prefill_ws(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len: int, k_scale, v_scale,
-                     sm_scale: float | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     sm_scale: float, out: torch.Tensor) -> torch.Tensor:
     """``paged_prefill`` over a quantised cache (every key through the block table), for an sm_90 GPU.
 
-    Arguments as :func:`kvlab.kernels.flash_attention.paged_prefill`'s, already checked there;
-    ``cu_query_lens`` the running sum of the query lengths with a leading 0."""
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    Called by :func:`kvlab.kernels.flash_attention.paged_prefill`, which has checked the arguments,
+    allocated ``out``, resolved ``sm_scale`` and returned early for an empty step;
+    ``cu_query_lens`` is the running sum of the query lengths with a leading 0."""
+    num_heads, head_dim = q.shape[1:]
+    block_size, num_kv_heads = k_cache.shape[1:3]
     batch = seq_lens.shape[0]
-    if batch == 0 or num_tokens == 0 or max_query_len == 0:
-        return out
     grid = (triton.cdiv(max_query_len, BLOCK_M), num_heads, batch)
     paged_prefill_ws_kernel[grid](
         q, k_cache, v_cache, out, k_scale, v_scale, block_tables, seq_lens, cu_query_lens, q.stride(0), q.stride(1),
