@@ -210,7 +210,7 @@ def quantized_extend(batch, prefix, new, dim, kv_cache_dtype) -> dict:
            "err": err, "err_triton": err_triton, "bf16_TFLOPs": round(case["flops"] / bf16 / 1e12, 1),
            "quant_TFLOPs": round(case["flops"] / quant / 1e12, 1), "bf16_us": round(bf16 * 1e6, 1),
            "quant_us": round(quant * 1e6, 1), "triton_kernel_us": round(triton_only * 1e6, 1),
-           "warp_specialized": warp_specialized_extend(kv_cache_dtype, dim, prefix + new,
+           "warp_specialized": warp_specialized_extend(kv_cache_dtype, dim, prefix + new, new,
                                                        torch.cuda.get_device_capability()),
            "time_vs_bf16": round(quant / bf16, 3), "triton_time_vs_bf16": round(triton_only / bf16, 3),
            "meets_goal": quant / bf16 <= 1 / 0.9}

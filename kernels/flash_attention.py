@@ -19,7 +19,7 @@ Two kernels run that same loop and differ only in where a tile of K/V comes from
   the cached prefix and to themselves. Handed the step's own K/V (``k_new``/``v_new``), it
   reads the new tokens' keys from them as whole tiles and only the prefix through the table.
   Over a quantised cache (fp8, int8) it reads the codes and dequantises in registers; on an
-  H200, long steps over such a cache go to :mod:`kvlab.kernels.paged_prefill_ws` instead, the
+  H200, chunks of many tokens over such a cache go to :mod:`kvlab.kernels.paged_prefill_ws` instead, the
   same loop written in Gluon with warps of its own for the dequantising.
 
 Causal attention is bottom-right aligned: a sequence's ``len_q`` queries are its *last*
@@ -423,7 +423,8 @@ def _has_gluon() -> bool:
     return True
 
 
-def _takes_warp_specialized(asked: bool | None, q, k_cache, k_scale, k_new, out, max_seq_len) -> bool:
+def _takes_warp_specialized(asked: bool | None, q, k_cache, k_scale, k_new, out, max_seq_len,
+                            max_query_len) -> bool:
     """Whether ``paged_prefill`` hands the step to ``paged_prefill_ws`` (see its docstring)."""
     if asked is False:
         return False
@@ -441,7 +442,7 @@ def _takes_warp_specialized(asked: bool | None, q, k_cache, k_scale, k_new, out,
             raise ValueError(f"warp_specialized=True: paged_prefill_ws cannot run this step: {why_not}")
         return True
     return why_not is None and warp_specialized_extend(kv_cache_format(k_cache.dtype).name, q.shape[-1],
-                                                       max_seq_len, _capability(q.device))
+                                                       max_seq_len, max_query_len, _capability(q.device))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -536,8 +537,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
     those exactly and only the prefix is dequantised; without them, to what the cache holds.
 
     Over a quantised cache on an sm_90 GPU, with every key through the table, a step whose longest
-    sequence is long enough goes to :func:`kvlab.kernels.paged_prefill_ws.paged_prefill_ws`, whose
-    own warps dequantise while others multiply (``max_seq_len`` must be given; the rule is
+    sequence and longest chunk are long enough goes to :func:`kvlab.kernels.paged_prefill_ws.paged_prefill_ws`,
+    whose own warps dequantise while others multiply (``max_seq_len`` must be given; the rule is
     :func:`kvlab.kernel_plan.warp_specialized_extend`). ``warp_specialized`` True asks for that
     kernel (a ValueError where it cannot run), False for this one.
 
@@ -573,7 +574,7 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
         raise ValueError("block_m, block_n, num_warps and num_stages set this kernel's tiles: "
                          "not with warp_specialized=True")
     if _takes_warp_specialized(False if tiles_given else warp_specialized, q, k_cache, k_scale, k_new, out,
-                               max_seq_len):
+                               max_seq_len, max_query_len):
         from kvlab.kernels.paged_prefill_ws import paged_prefill_ws
 
         return paged_prefill_ws(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len, k_scale,

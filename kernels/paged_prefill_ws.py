@@ -10,16 +10,19 @@ This kernel gives the conversion warps of its own (warp specialisation, FlashAtt
 producer/consumer split). One program, 128 queries of one head, holds three groups of warps:
 
 * the **dequantising warps** (4) copy each tile's codes and scales from the paged cache into a
-  staging area (``cp.async``, a tile ahead), convert the codes, and write them into a ring of
-  ``STAGES`` tiles in shared memory, where the tensor cores read them;
+  staging area (``cp.async``, two sub-tiles of 64 keys ahead), convert them, and write them into
+  a ring of ``STAGES`` tiles in shared memory, where the tensor cores read them;
 * two **attending warpgroups** (4 warps each, 64 queries each) run FlashAttention's loop on
   the ring: ``q @ k.T``, the online softmax, ``p @ v``.
 
 Two barriers per stage of the ring pass each tile along: ``ready`` (the dequantising warps have
-written it) and ``empty`` (both warpgroups are done with it). The codes go into the products
-exactly, as in ``paged_prefill``: e4m3 and int8 values are all fp16 numbers (``q @ k.T`` runs in
-fp16) and bf16 numbers (``p @ v`` in bf16, whose range ``p * v_scale`` needs); a key's scale
-multiplies its column of scores, a value's scale its column of ``p``.
+written it) and ``empty`` (both warpgroups are done with it). K's codes go into ``q @ k.T``
+exactly, as in ``paged_prefill`` (e4m3 and int8 values are all fp16 numbers), and a key's scale
+multiplies its column of scores: rounding ``code * scale`` to 16 bits first moves large scores by
+whole units, which the exponential magnifies (0.15 of the output's largest value on the tests'
+ragged cases, against 0.005). V is dequantised by the dequantising warps
+(``code * scale``, rounded to bf16: what a bf16 cache holds), so the attending warpgroups do no
+more per tile than over a bf16 cache but for one multiply of the scores by K's scales.
 
 Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
 is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
@@ -37,10 +40,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                 warpgroup_mma_wait)
 
 LOG2_E = 1.4426950408889634
-# Measured on an H200 (benchmarks/RESULTS.md, 2026-12-03): 4 stages of 64 keys, the codes copied
-# 2 tiles ahead, 4 dequantising warps; registers shared out as 200 a thread for the attending
-# warpgroups and 96 for the dequantising warps.
-BLOCK_M, BLOCK_N, STAGES, DEPTH, CONVERT_WARPS, ATTEND_REGS, CONVERT_REGS = 128, 64, 4, 2, 4, 200, 96
+# Measured on an H200 (benchmarks/RESULTS.md, 2026-12-03 and 2026-12-04): a ring of 4 tiles, the
+# codes copied 2 sub-tiles of 64 keys ahead, 4 dequantising warps; registers shared out as 200 a
+# thread for the attending warpgroups and 96 for the dequantising warps. The attending warpgroups
+# take 64 keys a tile at head_dim 128 and 128 at head_dim 64 (half the bytes a key).
+BLOCK_M, SUB_N, STAGES, DEPTH, CONVERT_WARPS, ATTEND_REGS, CONVERT_REGS = 128, 64, 4, 2, 4, 200, 96
+BLOCK_N = {128: 64, 64: 128}
 
 
 # -- the dequantising warps ------------------------------------------------------------------
@@ -68,59 +73,81 @@ def _copy_tile(codes_k, codes_v, scales_k, scales_v, slot, pages, k_cache_ptr, v
 
 
 @gluon.jit
+def _to_float16(codes, INT8: gl.constexpr):
+    """Codes to fp16, exactly (every e4m3 and int8 value is an fp16 number). e4m3: the hardware's
+    conversion, two codes an instruction. int8: ``codes_to_dot``'s trick (kernels/dequant.py),
+    five instructions for four codes where a plain conversion takes one or more a code."""
+    if INT8:
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t, m; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64806480; "
+            "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
+            "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
+            "=r,=r,r", [codes], dtype=gl.float16, is_pure=True, pack=4)
+    else:
+        return codes.to(gl.float16)
+
+
+@gluon.jit
 def _dequantise(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, seq_len, n_tiles,
-                k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+                k_ring, v_ring, k_scale_ring, ready, empty,
                 BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Fill the ring with tiles 0 .. n_tiles - 1: codes converted, scales beside them."""
+                BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr,
+                NUM_WARPS: gl.constexpr, INT8: gl.constexpr):
+    """Fill the ring with tiles 0 .. n_tiles - 1, each as BLOCK_N // SUB_N sub-tiles of SUB_N keys:
+    K's codes as fp16 with their scales beside them, V's values (code * scale) as bf16."""
     # A thread copies 16 codes of a row at once and reads back exactly the bytes it copied, so
     # waiting for its own copies is enough: these warps never wait for one another.
     layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // HEAD_DIM, HEAD_DIM // 16], [NUM_WARPS, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
-    rows = gl.arange(0, BLOCK_N, layout=row_layout)
+    rows = gl.arange(0, SUB_N, layout=row_layout)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
     plain: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
     plain_1d: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    codes_k = gl.allocate_shared_memory(k_cache_ptr.dtype.element_ty, [DEPTH, BLOCK_N, HEAD_DIM], plain)
-    codes_v = gl.allocate_shared_memory(v_cache_ptr.dtype.element_ty, [DEPTH, BLOCK_N, HEAD_DIM], plain)
-    scales_k = gl.allocate_shared_memory(gl.float32, [DEPTH, BLOCK_N], plain_1d)
-    scales_v = gl.allocate_shared_memory(gl.float32, [DEPTH, BLOCK_N], plain_1d)
+    codes_k = gl.allocate_shared_memory(k_cache_ptr.dtype.element_ty, [DEPTH, SUB_N, HEAD_DIM], plain)
+    codes_v = gl.allocate_shared_memory(v_cache_ptr.dtype.element_ty, [DEPTH, SUB_N, HEAD_DIM], plain)
+    scales_k = gl.allocate_shared_memory(gl.float32, [DEPTH, SUB_N], plain_1d)
+    scales_v = gl.allocate_shared_memory(gl.float32, [DEPTH, SUB_N], plain_1d)
+    SUBS: gl.constexpr = BLOCK_N // SUB_N
     limit = gl.minimum(seq_len, n_tiles * BLOCK_N)
 
-    # The first DEPTH tiles' copies leave at once; each table entry is read a tile ahead.
+    # The first DEPTH sub-tiles' copies leave at once; each table entry is read a sub-tile ahead.
     pages = _tile_pages(table_ptr, 0, limit, rows, BLOCK_SIZE)
     for t in gl.static_range(DEPTH):
-        next_pages = _tile_pages(table_ptr, (t + 1) * BLOCK_N, limit, rows, BLOCK_SIZE)
+        next_pages = _tile_pages(table_ptr, (t + 1) * SUB_N, limit, rows, BLOCK_SIZE)
         _copy_tile(codes_k, codes_v, scales_k, scales_v, t, pages, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                   kv_head, limit, t * BLOCK_N, rows, cols, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+                   kv_head, limit, t * SUB_N, rows, cols, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         pages = next_pages
     for j in range(n_tiles):
-        slot = j % DEPTH
-        async_copy.wait_group(DEPTH - 1)               # tile j's copies have landed
-        k = codes_k.index(slot).load(layout).to(gl.float16)
-        v = codes_v.index(slot).load(layout).to(gl.float32).to(gl.bfloat16)
-        k_scale = scales_k.index(slot).load(row_layout)
-        v_scale = scales_v.index(slot).load(row_layout)
-        # The slot's contents are in registers now: refill it with tile j + DEPTH.
-        next_pages = _tile_pages(table_ptr, (j + DEPTH + 1) * BLOCK_N, limit, rows, BLOCK_SIZE)
-        _copy_tile(codes_k, codes_v, scales_k, scales_v, slot, pages, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                   v_scale_ptr, kv_head, limit, (j + DEPTH) * BLOCK_N, rows, cols, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        pages = next_pages
-        # Wait for both warpgroups to be done with the stage's last tile, then hand this one over.
         stage = j % STAGES
-        mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
-        k_ring.index(stage).store(k)
-        v_ring.index(stage).store(v)
-        k_scale_ring.index(stage).store(k_scale)
-        v_scale_ring.index(stage).store(v_scale)
-        fence_async_shared()                           # make the stores visible to the tensor cores' reads
-        mbarrier.arrive(ready.index(stage))
+        for h in gl.static_range(SUBS):
+            sub = j * SUBS + h
+            slot = sub % DEPTH
+            async_copy.wait_group(DEPTH - 1)               # this sub-tile's copies have landed
+            # K stays exact (its scale goes on the scores' column); V takes its scale here and is
+            # rounded to bf16, as a bf16 cache would hold it.
+            k = _to_float16(codes_k.index(slot).load(layout), INT8)
+            v_scale = scales_v.index(slot).load(row_layout)
+            v = (_to_float16(codes_v.index(slot).load(layout), INT8).to(gl.float32) * v_scale[:, None]).to(gl.bfloat16)
+            k_scale = scales_k.index(slot).load(row_layout)
+            # The slot's contents are in registers now: refill it with sub-tile sub + DEPTH.
+            next_pages = _tile_pages(table_ptr, (sub + DEPTH + 1) * SUB_N, limit, rows, BLOCK_SIZE)
+            _copy_tile(codes_k, codes_v, scales_k, scales_v, slot, pages, k_cache_ptr, v_cache_ptr, k_scale_ptr,
+                       v_scale_ptr, kv_head, limit, (sub + DEPTH) * SUB_N, rows, cols, BLOCK_SIZE, NUM_KV_HEADS,
+                       HEAD_DIM)
+            pages = next_pages
+            if h == 0:   # wait for both warpgroups to be done with the stage's last tile
+                mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
+            k_ring.index(stage).slice(h * SUB_N, SUB_N).store(k)
+            v_ring.index(stage).slice(h * SUB_N, SUB_N).store(v)
+            k_scale_ring.index(stage).slice(h * SUB_N, SUB_N).store(k_scale)
+        fence_async_shared()                               # make the stores visible to the tensor cores' reads
+        mbarrier.arrive(ready.index(stage))                # hand the tile over
     async_copy.wait_group(0)
 
 
 # -- the attending warpgroups ----------------------------------------------------------------
 @gluon.jit
-def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty, j_start, j_end,
+def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ready, empty, j_start, j_end,
                   seq_len, shift, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr):
     """FlashAttention's loop over ring tiles ``j_start .. j_end - 1`` (``_attend_tile`` of
@@ -132,7 +159,6 @@ def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, v_scal
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
         s = warpgroup_mma(q, k_ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
         k_scale = k_scale_ring.index(stage).load(gl.SliceLayout(0, s_layout))     # while the product runs
-        v_scale = v_scale_ring.index(stage).load(gl.SliceLayout(0, s_layout))
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         s = s * k_scale[None, :]
         if MASKED:
@@ -144,8 +170,7 @@ def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, v_scal
         alpha = gl.exp2(m_i - m_new)
         l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p = gl.convert_layout((p * v_scale[None, :]).to(gl.bfloat16),
-                              gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+        p = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
         acc = warpgroup_mma(p, v_ring.index(stage), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index(stage))
@@ -155,7 +180,7 @@ def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, v_scal
 
 @gluon.jit
 def _attend(q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh, stride_ot, stride_oh, seq_len,
-            n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+            n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ready, empty,
             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: queries ``start_m .. start_m + ROWS - 1`` of the sequence over every tile of the ring."""
     # The MMAs' accumulator layouts: 4 warps down the rows, 16 rows each.
@@ -179,10 +204,10 @@ def _attend(q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh,
     # both): the first one's last tile may be all masked, and adds nothing.
     shift = seq_len - len_q
     n_full = gl.minimum((start_m + shift + 1) // BLOCK_N, n_tiles)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
-                                  0, n_full, seq_len, shift, qk_scale, False, BLOCK_N, STAGES, s_layout, o_layout)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
-                                  n_full, n_tiles, seq_len, shift, qk_scale, True, BLOCK_N, STAGES, s_layout, o_layout)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ready, empty, 0, n_full,
+                                  seq_len, shift, qk_scale, False, BLOCK_N, STAGES, s_layout, o_layout)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ready, empty, n_full,
+                                  n_tiles, seq_len, shift, qk_scale, True, BLOCK_N, STAGES, s_layout, o_layout)
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     out = gl.convert_layout(out.to(out_ptr.dtype.element_ty), io_layout)
     out_ptrs = out_ptr + (q_start + rows[:, None]).to(gl.int64) * stride_ot + head * stride_oh + cols[None, :]
@@ -196,8 +221,8 @@ def paged_prefill_ws_kernel(
     block_tables_ptr, seq_lens_ptr, cu_query_lens_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table, group, qk_scale,
     BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr, CONVERT_WARPS: gl.constexpr,
-    ATTEND_REGS: gl.constexpr, CONVERT_REGS: gl.constexpr,
+    BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr,
+    CONVERT_WARPS: gl.constexpr, ATTEND_REGS: gl.constexpr, CONVERT_REGS: gl.constexpr, INT8: gl.constexpr,
 ):
     # One program: BLOCK_M new tokens of one head of one sequence (the grid of paged_prefill_kernel).
     pid_m = gl.program_id(0)
@@ -211,14 +236,13 @@ def paged_prefill_ws_kernel(
         # the keys any of the block's queries sees (its last query sees the most)
         n_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M + seq_len - len_q, seq_len), BLOCK_N)
 
-        # The ring: K's tiles as fp16, V's as bf16, laid out as the warpgroup MMAs read them.
+        # The ring: K's codes as fp16, V's values as bf16, laid out as the warpgroup MMAs read them.
         k_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16))
         v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16))
         plain_1d: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         k_scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], plain_1d)
-        v_scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], plain_1d)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -229,16 +253,15 @@ def paged_prefill_ws_kernel(
         gl.warp_specialize([
             # the kernel's own warps: the first 64 queries
             (_attend, (q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh, stride_ot, stride_oh,
-                       seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+                       seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ready, empty,
                        HEAD_DIM, ROWS, BLOCK_N, STAGES)),
             # a second warpgroup: the next 64
             (_attend, (q_ptr, out_ptr, q_start, start_m + ROWS, len_q, head, stride_qt, stride_qh, stride_ot,
-                       stride_oh, seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
+                       stride_oh, seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ready, empty,
                        HEAD_DIM, ROWS, BLOCK_N, STAGES)),
             (_dequantise, (k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * stride_table,
-                           head // group, seq_len, n_tiles, k_ring, v_ring, k_scale_ring, v_scale_ring, ready, empty,
-                           BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N,
-                           STAGES, DEPTH, CONVERT_WARPS)),
+                           head // group, seq_len, n_tiles, k_ring, v_ring, k_scale_ring, ready, empty,
+                           BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, SUB_N, STAGES, DEPTH, CONVERT_WARPS, INT8)),
         ], [4, CONVERT_WARPS], [ATTEND_REGS, CONVERT_REGS])
 
 
@@ -256,7 +279,7 @@ def paged_prefill_ws(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
     paged_prefill_ws_kernel[grid](
         q, k_cache, v_cache, out, k_scale, v_scale, block_tables, seq_lens, cu_query_lens, q.stride(0), q.stride(1),
         out.stride(0), out.stride(1), block_tables.stride(0), num_heads // num_kv_heads, sm_scale * LOG2_E,
-        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        STAGES=STAGES, DEPTH=DEPTH, CONVERT_WARPS=CONVERT_WARPS, ATTEND_REGS=ATTEND_REGS, CONVERT_REGS=CONVERT_REGS,
-        num_warps=4)
+        BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N[head_dim], SUB_N=SUB_N, STAGES=STAGES, DEPTH=DEPTH, CONVERT_WARPS=CONVERT_WARPS,
+        ATTEND_REGS=ATTEND_REGS, CONVERT_REGS=CONVERT_REGS, INT8=k_cache.dtype == torch.int8, num_warps=4)
     return out

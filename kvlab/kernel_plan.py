@@ -98,22 +98,26 @@ def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | No
 
 # Prefill/extend over a quantised cache on an H200: kernels/paged_prefill_ws.py, whose own warps
 # dequantise while two warpgroups multiply, takes fp8 extends over a 3K-32K prefix from 1.8-1.9x to
-# 1.2x bf16's time (int8 to 1.4-1.5x), but took chunks over a 768-token prefix from 1.8x to 1.9-2.2x
-# (a program has too few tiles to fill its ring); head_dim 64 gained nothing (benchmarks/RESULTS.md,
-# 2026-12-03).
-WS_MIN_SEQ_LEN = 4096       # the longest sequence of the step, from which the warp-specialised kernel pays
-WS_HEAD_DIMS = (128,)
+# 1.13-1.18x bf16's time (int8 to 1.22-1.26x), 8 chunks of 256 over 768 cached tokens from 1.8x to
+# 1.17x, head_dim 64 from 1.65x to 1.27x. Its programs take 128 queries and read every key the
+# last of them sees: steps of a few queries a sequence (32 or fewer: 1.2-1.5x against Triton's
+# 0.9-1.3x) or of 256 keys or fewer (1.2-1.45x against 1.07-1.2x) stay on the Triton kernel
+# (benchmarks/RESULTS.md, 2026-12-04).
+WS_MIN_SEQ_LEN = 512        # the longest sequence of the step, from which the warp-specialised kernel pays
+WS_MIN_QUERY_LEN = 128      # the longest chunk of new tokens: a full program of queries
+WS_HEAD_DIMS = (64, 128)
 WS_CAPABILITY = (9, 0)      # Hopper's warpgroup MMAs; sm_100 has other tensor-core instructions
 
 
-def warp_specialized_extend(kv_cache_dtype: str, head_dim: int, max_seq_len: int | None,
+def warp_specialized_extend(kv_cache_dtype: str, head_dim: int, max_seq_len: int | None, max_query_len: int,
                             capability: tuple[int, int] | None) -> bool:
     """Whether ``paged_prefill`` takes ``paged_prefill_ws`` (every key through the block table):
     over an fp8/int8 cache, on an sm_90 GPU (``capability``; ``None`` off a GPU), for
-    ``head_dim`` 128 and steps whose longest sequence (``max_seq_len``, when the caller knows it)
-    reaches :data:`WS_MIN_SEQ_LEN` tokens."""
+    ``head_dim`` 64 or 128 and steps whose longest sequence (``max_seq_len``, when the caller knows
+    it) reaches :data:`WS_MIN_SEQ_LEN` tokens and whose longest chunk of new tokens
+    (``max_query_len``) reaches :data:`WS_MIN_QUERY_LEN`."""
     return (kv_cache_dtype in ("fp8", "int8") and head_dim in WS_HEAD_DIMS and capability == WS_CAPABILITY
-            and max_seq_len is not None and max_seq_len >= WS_MIN_SEQ_LEN)
+            and max_seq_len is not None and max_seq_len >= WS_MIN_SEQ_LEN and max_query_len >= WS_MIN_QUERY_LEN)
 
 
 def launch_config(head_dim, max_len_q, block_m, block_n, num_warps, num_stages, element_size=2,

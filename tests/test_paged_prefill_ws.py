@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvlab import profile
-from kvlab.kernel_plan import WS_MIN_SEQ_LEN, warp_specialized_extend
+from kvlab.kernel_plan import WS_MIN_QUERY_LEN, WS_MIN_SEQ_LEN, warp_specialized_extend
 from kvlab.kernels.flash_attention import paged_prefill
 from test_paged_prefill_quant import TOLERANCE, assert_close, quantized_step, reference
 
@@ -28,18 +28,20 @@ def on_hopper() -> bool:
 needs_hopper = pytest.mark.skipif(not on_hopper(), reason="paged_prefill_ws runs on an sm_90 GPU only (Gluon)")
 
 
-@pytest.mark.parametrize("fmt,head_dim,max_seq_len,capability,want", [
-    ("fp8", 128, WS_MIN_SEQ_LEN, (9, 0), True),
-    ("int8", 128, 32768, (9, 0), True),
-    ("fp8", 128, WS_MIN_SEQ_LEN - 1, (9, 0), False),     # short steps: the Triton kernel is faster
-    ("fp8", 128, None, (9, 0), False),                   # unknown length: no guess
-    ("fp8", 64, 32768, (9, 0), False),                   # head_dim 64 gained nothing
-    ("auto", 128, 32768, (9, 0), False),                 # a bf16 cache has nothing to dequantise
-    ("fp8", 128, 32768, (10, 0), False),                 # Blackwell has no warpgroup MMAs
-    ("fp8", 128, 32768, None, False),                    # no GPU
+@pytest.mark.parametrize("fmt,head_dim,max_seq_len,max_query_len,capability,want", [
+    ("fp8", 128, WS_MIN_SEQ_LEN, WS_MIN_QUERY_LEN, (9, 0), True),
+    ("int8", 128, 32768, 2048, (9, 0), True),
+    ("fp8", 64, 32768, 2048, (9, 0), True),
+    ("fp8", 128, WS_MIN_SEQ_LEN - 1, 2048, (9, 0), False),     # short steps: the Triton kernel is faster
+    ("fp8", 128, 32768, WS_MIN_QUERY_LEN - 1, (9, 0), False),  # a few queries a sequence: so it is
+    ("fp8", 128, None, 2048, (9, 0), False),                   # unknown length: no guess
+    ("fp8", 96, 32768, 2048, (9, 0), False),                   # not a head_dim the kernel is built for
+    ("auto", 128, 32768, 2048, (9, 0), False),                 # a bf16 cache has nothing to dequantise
+    ("fp8", 128, 32768, 2048, (10, 0), False),                 # Blackwell has no warpgroup MMAs
+    ("fp8", 128, 32768, 2048, None, False),                    # no GPU
 ])
-def test_the_rule_for_the_warp_specialised_kernel(fmt, head_dim, max_seq_len, capability, want):
-    assert warp_specialized_extend(fmt, head_dim, max_seq_len, capability) is want
+def test_the_rule_for_the_warp_specialised_kernel(fmt, head_dim, max_seq_len, max_query_len, capability, want):
+    assert warp_specialized_extend(fmt, head_dim, max_seq_len, max_query_len, capability) is want
 
 
 def test_asking_for_it_where_it_cannot_run_is_refused_before_anything_is_written():
@@ -67,18 +69,20 @@ CASES = [  # (seed, [(prefix, new tokens)], num_heads, num_kv_heads, page size)
 @needs_hopper
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "int8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("case", CASES, ids=[f"case{c[0]}" for c in CASES])
-def test_paged_prefill_ws_matches_float64_attention(kv_cache_dtype, dtype, case):
+def test_paged_prefill_ws_matches_float64_attention(kv_cache_dtype, dtype, head_dim, case):
     seed, seqs, num_heads, num_kv_heads, block_size = case
-    args, _, _ = quantized_step(seed, seqs, block_size, num_heads, num_kv_heads, 128, dtype, kv_cache_dtype)
+    args, _, _ = quantized_step(seed, seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, kv_cache_dtype)
     out = torch.full_like(args["q"], float("nan"))
     paged_prefill(**args, out=out, warp_specialized=True)
     assert_close(out, reference(args), dtype)
 
 
 @needs_hopper
-def test_long_steps_over_a_quantised_cache_take_it(monkeypatch):
-    args, _, _ = quantized_step(4, [(WS_MIN_SEQ_LEN, 64), (50, 30)], 16, 8, 4, 128, torch.bfloat16, "fp8")
+def test_long_chunks_over_a_quantised_cache_take_it(monkeypatch):
+    args, _, _ = quantized_step(4, [(WS_MIN_SEQ_LEN, WS_MIN_QUERY_LEN), (50, 30)], 16, 8, 4, 128, torch.bfloat16,
+                                "fp8")
     taken = []
     real = importlib.import_module("kvlab.kernels.paged_prefill_ws").paged_prefill_ws
 
@@ -97,3 +101,6 @@ def test_long_steps_over_a_quantised_cache_take_it(monkeypatch):
     assert err <= TOLERANCE[torch.bfloat16]
     paged_prefill(**args, max_seq_len=WS_MIN_SEQ_LEN - 1)
     assert len(taken) == 1, "a short step took paged_prefill_ws"
+    few, _, _ = quantized_step(5, [(WS_MIN_SEQ_LEN, WS_MIN_QUERY_LEN - 1)], 16, 8, 4, 128, torch.bfloat16, "fp8")
+    paged_prefill(**few, max_seq_len=WS_MIN_SEQ_LEN + WS_MIN_QUERY_LEN - 1)
+    assert len(taken) == 1, "a step of a few queries a sequence took paged_prefill_ws"
