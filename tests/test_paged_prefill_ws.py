@@ -33,7 +33,7 @@ needs_hopper = pytest.mark.skipif(not on_hopper(), reason="paged_prefill_ws runs
     ("int8", 128, 32768, 2048, (9, 0), True),
     ("fp8", 64, 32768, 2048, (9, 0), True),
     ("fp8", 128, WS_MIN_SEQ_LEN - 1, 2048, (9, 0), False),     # short steps: the Triton kernel is faster
-    ("fp8", 128, 32768, WS_MIN_QUERY_LEN - 1, (9, 0), False),  # a few queries a sequence: so it is
+    ("fp8", 128, 32768, WS_MIN_QUERY_LEN - 1, (9, 0), False),  # a few new tokens a sequence: Triton too
     ("fp8", 128, None, 2048, (9, 0), False),                   # unknown length: no guess
     ("fp8", 96, 32768, 2048, (9, 0), False),                   # not a head_dim the kernel is built for
     ("auto", 128, 32768, 2048, (9, 0), False),                 # a bf16 cache has nothing to dequantise
