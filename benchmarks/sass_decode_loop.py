@@ -42,8 +42,9 @@ CODES = {"fp8": "fp8e4nv", "int8": "i8", "bf16": "bf16"}
 
 
 def jit_functions(workdir: Path, *files: str):
-    """A module of the ``@triton.jit`` functions of ``files`` (in ``kernels/``), their source copied
-    into ``workdir`` (Triton reads a kernel's source from its file)."""
+    """A module of the ``@triton.jit`` functions of ``files`` (in ``kernels/``) and the
+    ``tl.constexpr`` constants they read, their source copied into ``workdir`` (Triton reads a
+    kernel's source from its file)."""
     text = ["import triton", "import triton.language as tl", ""]
     for name in files:
         if not (KERNELS / name).exists():    # an older checkout
@@ -53,6 +54,8 @@ def jit_functions(workdir: Path, *files: str):
             if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
                 start = min(d.lineno for d in node.decorator_list)
                 text += lines[start - 1:node.end_lineno] + ["", ""]
+            elif isinstance(node, ast.Assign) and "tl.constexpr(" in ast.unparse(node.value):
+                text += lines[node.lineno - 1:node.end_lineno] + [""]
     path = workdir / "decode_kernels.py"
     path.write_text("\n".join(text))
     spec = importlib.util.spec_from_file_location("decode_kernels", path)

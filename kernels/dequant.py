@@ -12,6 +12,14 @@ import triton
 import triton.language as tl
 
 
+# codes_to_dot's int8 conversion, four codes at a time (its docstring says how); the Gluon kernel
+# of kernels/paged_prefill_ws.py takes it too.
+INT8_TO_FP16_PTX = tl.constexpr(
+    "{ .reg .b32 t, m; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64806480; "
+    "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
+    "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }")
+
+
 @triton.jit
 def codes_to_dot(codes, DOT: tl.constexpr, PTX: tl.constexpr, PIN: tl.constexpr = True):
     """``codes`` converted to ``DOT``. ``PTX`` ("e4m3" or "int8" codes to fp16, on a GPU; "" for
@@ -41,11 +49,8 @@ def codes_to_dot(codes, DOT: tl.constexpr, PTX: tl.constexpr, PIN: tl.constexpr 
             "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [codes], dtype=tl.float16, is_pure=not PIN, pack=4)
     elif PTX == "int8":
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 t, m; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64806480; "
-            "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
-            "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=not PIN, pack=4)
+        return tl.inline_asm_elementwise(INT8_TO_FP16_PTX, "=r,=r,r", [codes], dtype=tl.float16, is_pure=not PIN,
+                                         pack=4)
     else:
         return codes.to(DOT)
 

@@ -39,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
+from kvlab.kernels.dequant import INT8_TO_FP16_PTX
+
 LOG2_E = 1.4426950408889634
 # Measured on an H200 (benchmarks/RESULTS.md, 2026-12-03 and 2026-12-04): a ring of 4 tiles, the
 # codes copied 2 sub-tiles of 64 keys ahead, 4 dequantising warps; registers shared out as 200 a
@@ -75,14 +77,10 @@ def _copy_tile(codes_k, codes_v, scales_k, scales_v, slot, pages, k_cache_ptr, v
 @gluon.jit
 def _to_float16(codes, INT8: gl.constexpr):
     """Codes to fp16, exactly (every e4m3 and int8 value is an fp16 number). e4m3: the hardware's
-    conversion, two codes an instruction. int8: ``codes_to_dot``'s trick (kernels/dequant.py),
-    five instructions for four codes where a plain conversion takes one or more a code."""
+    conversion, two codes an instruction. int8: ``INT8_TO_FP16_PTX`` (kernels/dequant.py), five
+    instructions for four codes where a plain conversion takes one or more a code."""
     if INT8:
-        return gl.inline_asm_elementwise(
-            "{ .reg .b32 t, m; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64806480; "
-            "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
-            "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
-            "=r,=r,r", [codes], dtype=gl.float16, is_pure=True, pack=4)
+        return gl.inline_asm_elementwise(INT8_TO_FP16_PTX, "=r,=r,r", [codes], dtype=gl.float16, is_pure=True, pack=4)
     else:
         return codes.to(gl.float16)
 
