@@ -24,6 +24,11 @@ ragged cases, against 0.005). V is dequantised by the dequantising warps
 (``code * scale``, rounded to bf16: what a bf16 cache holds), so the attending warpgroups do no
 more per tile than over a bf16 cache but for one multiply of the scores by K's scales.
 
+Each warpgroup's chain (wait for the tile, ``q @ k.T``, softmax, ``p @ v``) is serial; the two
+warpgroups hide each other's softmax. FlashAttention-3 also overlaps a warpgroup's softmax with its
+own ``p @ v``: compiled by Triton 3.6, that overlap survives ptxas only with ``p`` in shared memory,
+and measured 10-15% slower than this loop (benchmarks/RESULTS.md, 2026-12-04, second session).
+
 Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
 is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
 runs on a GPU (sm_90); ``paged_prefill`` takes it where :func:`kvlab.kernel_plan.warp_specialized_extend`
