@@ -206,7 +206,9 @@ def _bad(name):
         "not a tensor": (dict(v_scale=[1.0] * 48), TypeError, "v_scale must be a torch.Tensor"),
         "wrong shape": (dict(k_scale=torch.ones(7, 4, 1)), ValueError,
                         r"k_scale must be a contiguous \[num_blocks, block_size, num_kv_heads\] = \[7, 4, 2\]"),
-        "strided": (dict(v_scale=torch.ones(7, 4, 4)[..., ::2]), ValueError, "v_scale must be a contiguous"),
+        # made on the device: moving a strided view to another device makes it contiguous
+        "strided": (dict(v_scale=torch.ones(7, 4, 4, device=DEVICE)[..., ::2]), ValueError,
+                    "v_scale must be a contiguous"),
         "other device": (dict(k_scale=torch.ones(7, 4, 2, device="meta")), ValueError, "k_scale is on meta"),
         "float64 q": (dict(q=torch.randn(5, 4, d, dtype=torch.float64)), TypeError,
                       "q has dtype torch.float64; supported"),
