@@ -29,6 +29,12 @@ warpgroups hide each other's softmax. FlashAttention-3 also overlaps a warpgroup
 own ``p @ v``: compiled by Triton 3.6, that overlap survives ptxas only with ``p`` in shared memory,
 and measured 10-15% slower than this loop (benchmarks/RESULTS.md, 2026-12-04, second session).
 
+What limits the kernel is shared memory, not the tensor cores: the tensor cores read every tile
+from it, as in bf16, and the dequantising warps add their own traffic (codes in, fp16/bf16 out).
+Their register layout is chosen so that none of it meets a bank conflict (``_dequantise``); with
+a plain row-per-8-lanes layout a third of the stores conflicted, and the kernel took 5-8% longer
+(Nsight Compute, RESULTS.md, 2026-12-04, third session).
+
 Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
 is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
 runs on a GPU (sm_90); ``paged_prefill`` takes it where :func:`kvlab.kernel_plan.warp_specialized_extend`
@@ -95,19 +101,22 @@ def _dequantise(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, k
                 k_ring, v_ring, k_scale_ring, ready, empty,
                 BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
                 BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr,
-                NUM_WARPS: gl.constexpr, INT8: gl.constexpr):
+                NUM_WARPS: gl.constexpr, INT8: gl.constexpr, STAGING: gl.constexpr):
     """Fill the ring with tiles 0 .. n_tiles - 1, each as BLOCK_N // SUB_N sub-tiles of SUB_N keys:
     K's codes as fp16 with their scales beside them, V's values (code * scale) as bf16."""
     # A thread copies 16 codes of a row at once and reads back exactly the bytes it copied, so
-    # waiting for its own copies is enough: these warps never wait for one another.
-    layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 * 16 // HEAD_DIM, HEAD_DIM // 16], [NUM_WARPS, 1], [1, 0])
+    # waiting for its own copies is enough. Shared memory serves a 16-byte access 8 lanes at a
+    # time, and those 8 lanes must hit 8 different groups of banks: here they hold 64 columns of
+    # two consecutive rows, which the ring's 128-byte swizzle puts in different banks (8 lanes
+    # along one row of 128 columns wrote both its halves into the same banks: two-way conflicts,
+    # measured), and which STAGING keeps apart too (``_staging_layout``).
+    layout: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [NUM_WARPS, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
     rows = gl.arange(0, SUB_N, layout=row_layout)
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
-    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
     plain_1d: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-    codes_k = gl.allocate_shared_memory(k_cache_ptr.dtype.element_ty, [DEPTH, SUB_N, HEAD_DIM], plain)
-    codes_v = gl.allocate_shared_memory(v_cache_ptr.dtype.element_ty, [DEPTH, SUB_N, HEAD_DIM], plain)
+    codes_k = gl.allocate_shared_memory(k_cache_ptr.dtype.element_ty, [DEPTH, SUB_N, HEAD_DIM], STAGING)
+    codes_v = gl.allocate_shared_memory(v_cache_ptr.dtype.element_ty, [DEPTH, SUB_N, HEAD_DIM], STAGING)
     scales_k = gl.allocate_shared_memory(gl.float32, [DEPTH, SUB_N], plain_1d)
     scales_v = gl.allocate_shared_memory(gl.float32, [DEPTH, SUB_N], plain_1d)
     SUBS: gl.constexpr = BLOCK_N // SUB_N
@@ -226,6 +235,7 @@ def paged_prefill_ws_kernel(
     BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr,
     CONVERT_WARPS: gl.constexpr, ATTEND_REGS: gl.constexpr, CONVERT_REGS: gl.constexpr, INT8: gl.constexpr,
+    STAGING: gl.constexpr,
 ):
     # One program: BLOCK_M new tokens of one head of one sequence (the grid of paged_prefill_kernel).
     pid_m = gl.program_id(0)
@@ -264,8 +274,25 @@ def paged_prefill_ws_kernel(
                        HEAD_DIM, ROWS, BLOCK_N, STAGES)),
             (_dequantise, (k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * stride_table,
                            head // group, seq_len, n_tiles, k_ring, v_ring, k_scale_ring, ready, empty,
-                           BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, SUB_N, STAGES, DEPTH, CONVERT_WARPS, INT8)),
+                           BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, SUB_N, STAGES, DEPTH, CONVERT_WARPS, INT8,
+                           STAGING)),
         ], [4, CONVERT_WARPS], [ATTEND_REGS, CONVERT_REGS])
+
+
+def _staging_layout(rows: int, head_dim: int):
+    """Shared-memory layout of a sub-tile of codes (``rows`` x ``head_dim`` bytes) in staging.
+
+    Lanes 0-7 of a dequantising warp (one phase of a 16-byte access) copy and read 64 codes of
+    each of two consecutive rows. At head_dim 64 that is both rows whole: 128 contiguous bytes,
+    every bank once. At head_dim 128 it is the same half of each row, 128 bytes apart and so in
+    the same 16 banks; odd rows are stored with their halves swapped instead (offset bit 7, the
+    row's lowest bit, also flips column bit 6)."""
+    if head_dim == 64:
+        return gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+    # a linear map from byte offset to (row, column), one basis a bit of the offset
+    column_bits = [[0, 1 << i] for i in range(7)]
+    row_bits = [[1, 64]] + [[1 << i, 0] for i in range(1, rows.bit_length() - 1)]
+    return gl.SharedLinearLayout(column_bits + row_bits)
 
 
 def paged_prefill_ws(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens, max_query_len: int, k_scale, v_scale,
@@ -284,5 +311,6 @@ def paged_prefill_ws(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
         out.stride(0), out.stride(1), block_tables.stride(0), num_heads // num_kv_heads, sm_scale * LOG2_E,
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N[head_dim], SUB_N=SUB_N, STAGES=STAGES, DEPTH=DEPTH, CONVERT_WARPS=CONVERT_WARPS,
-        ATTEND_REGS=ATTEND_REGS, CONVERT_REGS=CONVERT_REGS, INT8=k_cache.dtype == torch.int8, num_warps=4)
+        ATTEND_REGS=ATTEND_REGS, CONVERT_REGS=CONVERT_REGS, INT8=k_cache.dtype == torch.int8,
+        STAGING=_staging_layout(SUB_N, head_dim), num_warps=4)
     return out
