@@ -29,11 +29,11 @@ warpgroups hide each other's softmax. FlashAttention-3 also overlaps a warpgroup
 own ``p @ v``: compiled by Triton 3.6, that overlap survives ptxas only with ``p`` in shared memory,
 and measured 10-15% slower than this loop (benchmarks/RESULTS.md, 2026-12-04, second session).
 
-What limits the kernel is shared memory, not the tensor cores: the tensor cores read every tile
+Shared memory is this kernel's scarce resource, more than the tensor cores: they read every tile
 from it, as in bf16, and the dequantising warps add their own traffic (codes in, fp16/bf16 out).
 Their register layout is chosen so that none of it meets a bank conflict (``_dequantise``); with
-a plain row-per-8-lanes layout a third of the stores conflicted, and the kernel took 5-8% longer
-(Nsight Compute, RESULTS.md, 2026-12-04, third session).
+8 lanes along one row, every store to the ring met a two-way conflict and the kernel took 5-8%
+longer (Nsight Compute, RESULTS.md, 2026-12-04, third session).
 
 Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
 is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
