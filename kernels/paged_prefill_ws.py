@@ -35,6 +35,13 @@ Their register layout is chosen so that none of it meets a bank conflict (``_deq
 8 lanes along one row, every store to the ring met a two-way conflict and the kernel took 5-8%
 longer (Nsight Compute, RESULTS.md, 2026-12-04, third session).
 
+At head_dim 64 a tile's products take half the time and its softmax the same, and the kernel
+takes 1.22-1.27x bf16's time (1.05-1.09x at 128): each warpgroup waits inside its own softmax, on
+its exponentials and on its row maxima's shuffles, which queue behind the other warpgroup's
+exponentials, while the tensor cores are busy 30% of the time (bf16's kernel: 41%). Taking turns
+on the tensor cores, a third warpgroup, and more dequantising warps did not move it (RESULTS.md,
+2026-12-04, fourth session).
+
 Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
 is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
 runs on a GPU (sm_90); ``paged_prefill`` takes it where :func:`kvlab.kernel_plan.warp_specialized_extend`
