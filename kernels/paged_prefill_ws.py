@@ -49,6 +49,8 @@ says it pays, and its own Triton kernel everywhere else.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 from triton.experimental import gluon
@@ -286,6 +288,7 @@ def paged_prefill_ws_kernel(
         ], [4, CONVERT_WARPS], [ATTEND_REGS, CONVERT_REGS])
 
 
+@functools.lru_cache(maxsize=None)   # built once per shape, not at every launch (~27 us each)
 def _staging_layout(rows: int, head_dim: int):
     """Shared-memory layout of a sub-tile of codes (``rows`` x ``head_dim`` bytes) in staging.
 
