@@ -35,12 +35,16 @@ Their register layout is chosen so that none of it meets a bank conflict (``_deq
 8 lanes along one row, every store to the ring met a two-way conflict and the kernel took 5-8%
 longer (Nsight Compute, RESULTS.md, 2026-12-04, third session).
 
+The row sums come from the tensor cores as well (``p @ ones``, ``_attend_tiles``): 64 additions
+a thread and tile fewer in the softmax, 1-3% off a long chunk's time (3% at head_dim 64).
+
 At head_dim 64 a tile's products take half the time and its softmax the same, and the kernel
-takes 1.22-1.27x bf16's time (1.05-1.09x at 128): each warpgroup waits inside its own softmax, on
-its exponentials and on its row maxima's shuffles, which queue behind the other warpgroup's
-exponentials, while the tensor cores are busy 30% of the time (bf16's kernel: 41%). Taking turns
-on the tensor cores, a third warpgroup, and more dequantising warps did not move it (RESULTS.md,
-2026-12-04, fourth session).
+takes 1.22-1.24x bf16's time (1.02-1.07x on long chunks at 128): each warpgroup waits inside its
+own softmax, on its exponentials and on its row maxima's shuffles, which queue behind the other
+warpgroup's exponentials, while the tensor cores are busy a third of the time (bf16's kernel:
+41%). Taking turns on the tensor cores, a third or a fourth warpgroup, more dequantising warps,
+the row maximum as a tree, and a share of the exponentials as a polynomial on the FMA units
+(FlashAttention-4's trick) did not move it (RESULTS.md, 2026-12-04, fourth to sixth sessions).
 
 Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
 is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
@@ -168,11 +172,16 @@ def _dequantise(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, k
 
 # -- the attending warpgroups ----------------------------------------------------------------
 @gluon.jit
-def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ready, empty, j_start, j_end,
+def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ones, ready, empty, j_start, j_end,
                   seq_len, shift, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                  s_layout: gl.constexpr, o_layout: gl.constexpr):
+                  s_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr):
     """FlashAttention's loop over ring tiles ``j_start .. j_end - 1`` (``_attend_tile`` of
-    flash_attention.py, with the products as Hopper's warpgroup MMAs)."""
+    flash_attention.py, with the products as Hopper's warpgroup MMAs).
+
+    The row sums ``l_i`` come from the tensor cores too: ``p @ ones`` (8 columns of ones, every
+    column of the result the row sum) is accumulated and rescaled exactly as ``acc = p @ v`` is.
+    It saves the softmax its 64 additions a thread and tile and their shuffles, and divides the
+    output by the sum of the very bf16 probabilities that ``p @ v`` multiplied."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero = gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=s_layout)
     for j in range(j_start, j_end):
@@ -189,11 +198,14 @@ def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ready,
         m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, 1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        p = gl.convert_layout(p.to(gl.bfloat16), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-        acc = warpgroup_mma(p, v_ring.index(stage), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
+        p = p.to(gl.bfloat16)
+        acc = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)),
+                            v_ring.index(stage), acc, is_async=True)
+        l_i = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)),
+                            ones.permute((1, 0)), l_i, is_async=True)
+        acc, l_i = warpgroup_mma_wait(num_outstanding=0, deps=(acc, l_i))
         mbarrier.arrive(empty.index(stage))
         m_i = m_new
     return acc, m_i, l_i
@@ -201,7 +213,7 @@ def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ready,
 
 @gluon.jit
 def _attend(q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh, stride_ot, stride_oh, seq_len,
-            n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ready, empty,
+            n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ones, ready, empty,
             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: queries ``start_m .. start_m + ROWS - 1`` of the sequence over every tile of the ring."""
     # The MMAs' accumulator layouts: 4 warps down the rows, 16 rows each.
@@ -209,6 +221,7 @@ def _attend(q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh,
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_DIM, 16])
+    l_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 16])
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [4, 1], [1, 0])
     rows = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, io_layout))
     cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, io_layout))
@@ -218,17 +231,18 @@ def _attend(q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh,
 
     offs_m = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([ROWS, 8], gl.float32, layout=l_layout)     # p @ ones: 8 copies of each row sum
     acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
     # Tiles every one of these queries sees in full, unmasked; then the causal diagonal and the
     # ragged end, masked. Both warpgroups take every tile (the ring's stages are released by
     # both): the first one's last tile may be all masked, and adds nothing.
     shift = seq_len - len_q
     n_full = gl.minimum((start_m + shift + 1) // BLOCK_N, n_tiles)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ready, empty, 0, n_full,
-                                  seq_len, shift, qk_scale, False, BLOCK_N, STAGES, s_layout, o_layout)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ready, empty, n_full,
-                                  n_tiles, seq_len, shift, qk_scale, True, BLOCK_N, STAGES, s_layout, o_layout)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ones, ready, empty, 0,
+                                  n_full, seq_len, shift, qk_scale, False, BLOCK_N, STAGES, s_layout, o_layout, l_layout)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ones, ready, empty, n_full,
+                                  n_tiles, seq_len, shift, qk_scale, True, BLOCK_N, STAGES, s_layout, o_layout, l_layout)
+    l_i = gl.max(l_i, 1)                                        # its columns are equal: take any
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
     out = gl.convert_layout(out.to(out_ptr.dtype.element_ty), io_layout)
     out_ptrs = out_ptr + (q_start + rows[:, None]).to(gl.int64) * stride_ot + head * stride_oh + cols[None, :]
@@ -270,16 +284,22 @@ def paged_prefill_ws_kernel(
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)     # the dequantising warps arrive once
             mbarrier.init(empty.index(i), count=2)     # both attending warpgroups do
+        # A tile of ones for the row sums' product (p @ ones), written once and fenced for the tensor cores.
+        fill: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        ones = gl.allocate_shared_memory(gl.bfloat16, [8, BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.bfloat16),
+                                         gl.full([8, BLOCK_N], 1.0, gl.bfloat16, layout=fill))
+        fence_async_shared()
 
         ROWS: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
             # the kernel's own warps: the first 64 queries
             (_attend, (q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh, stride_ot, stride_oh,
-                       seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ready, empty,
+                       seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ones, ready, empty,
                        HEAD_DIM, ROWS, BLOCK_N, STAGES)),
             # a second warpgroup: the next 64
             (_attend, (q_ptr, out_ptr, q_start, start_m + ROWS, len_q, head, stride_qt, stride_qh, stride_ot,
-                       stride_oh, seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ready, empty,
+                       stride_oh, seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ones, ready, empty,
                        HEAD_DIM, ROWS, BLOCK_N, STAGES)),
             (_dequantise, (k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * stride_table,
                            head // group, seq_len, n_tiles, k_ring, v_ring, k_scale_ring, ready, empty,
