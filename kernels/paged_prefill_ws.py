@@ -44,7 +44,10 @@ own softmax, on its exponentials and on its row maxima's shuffles, which queue b
 warpgroup's exponentials, while the tensor cores are busy a third of the time (bf16's kernel:
 41%). Taking turns on the tensor cores, a third or a fourth warpgroup, more dequantising warps,
 the row maximum as a tree, and a share of the exponentials as a polynomial on the FMA units
-(FlashAttention-4's trick) did not move it (RESULTS.md, 2026-12-04, fourth to sixth sessions).
+(FlashAttention-4's trick) did not move it, nor did a loop with 30% fewer instructions that skips
+the row maxima and the rescale wherever a bound proves them unneeded (FlashAttention-4's
+conditional rescale): the tensor cores and the exponential unit stay busy a third of the time
+each (RESULTS.md, 2026-12-04, fourth to seventh sessions).
 
 Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
 is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
