@@ -46,8 +46,10 @@ warpgroup's exponentials, while the tensor cores are busy a third of the time (b
 the row maximum as a tree, and a share of the exponentials as a polynomial on the FMA units
 (FlashAttention-4's trick) did not move it, nor did a loop with 30% fewer instructions that skips
 the row maxima and the rescale wherever a bound proves them unneeded (FlashAttention-4's
-conditional rescale): the tensor cores and the exponential unit stay busy a third of the time
-each (RESULTS.md, 2026-12-04, fourth to seventh sessions).
+conditional rescale). The attending loop alone is within the goal: with the dequantising warps
+idle it takes 1.08x bf16's time at head_dim 64 (0.86x at 128); their copies and conversions,
+issued by the same four schedulers, add the rest (RESULTS.md, 2026-12-04, fourth to seventh
+sessions).
 
 Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
 is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
