@@ -46,8 +46,8 @@ warpgroup's exponentials, while the tensor cores are busy a third of the time (b
 the row maximum as a tree, and a share of the exponentials as a polynomial on the FMA units
 (FlashAttention-4's trick) did not move it, nor did a loop with 30% fewer instructions that skips
 the row maxima and the rescale wherever a bound proves them unneeded (FlashAttention-4's
-conditional rescale). The attending loop alone is within the goal: with the dequantising warps
-idle it takes 1.08x bf16's time at head_dim 64 (0.86x at 128); their copies and conversions,
+conditional rescale). Most of the extra time is not the attending loop's: with the dequantising
+warps idle it takes 1.08x bf16's time at head_dim 64 (0.86x at 128); their copies and conversions,
 issued by the same four schedulers, add the rest (RESULTS.md, 2026-12-04, fourth to seventh
 sessions).
 
