@@ -39,17 +39,15 @@ The row sums come from the tensor cores as well (``p @ ones``, ``_attend_tiles``
 a thread and tile fewer in the softmax, 1-3% off a long chunk's time (3% at head_dim 64).
 
 At head_dim 64 a tile's products take half the time and its softmax the same, and the kernel
-takes 1.22-1.24x bf16's time (1.02-1.07x on long chunks at 128): each warpgroup waits inside its
-own softmax, on its exponentials and on its row maxima's shuffles, which queue behind the other
-warpgroup's exponentials, while the tensor cores are busy a third of the time (bf16's kernel:
-41%). Taking turns on the tensor cores, a third or a fourth warpgroup, more dequantising warps,
-the row maximum as a tree, and a share of the exponentials as a polynomial on the FMA units
-(FlashAttention-4's trick) did not move it, nor did a loop with 30% fewer instructions that skips
-the row maxima and the rescale wherever a bound proves them unneeded (FlashAttention-4's
-conditional rescale). Most of the extra time is not the attending loop's: with the dequantising
-warps idle it takes 1.08x bf16's time at head_dim 64 (0.86x at 128); their copies and conversions,
-issued by the same four schedulers, add the rest (RESULTS.md, 2026-12-04, fourth to seventh
-sessions).
+takes 1.22-1.24x bf16's time (1.02-1.07x on long chunks at 128). Most of that is not the
+attending loop's: with the dequantising warps idle (a measurement only: the tiles are then stale)
+it takes 1.08x bf16's time at head_dim 64 and 0.86x at 128. The dequantising warps' copies and
+conversions, issued by the same four schedulers, add the rest: about 0.15 of bf16's time at
+head_dim 64, and 0.2 at 128, where the loop alone leaves room for it. Changes to the attending loop did not move it: taking turns on the tensor cores, a third
+or a fourth warpgroup, the row maximum as a tree, a share of the exponentials as a polynomial on
+the FMA units (FlashAttention-4's trick), or a loop with 30% fewer instructions that skips the row
+maxima and the rescale wherever a bound proves them unneeded (FlashAttention-4's conditional
+rescale). Neither did more dequantising warps (RESULTS.md, 2026-12-04, fourth to seventh sessions).
 
 Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
 is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
