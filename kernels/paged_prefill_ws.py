@@ -39,11 +39,16 @@ The row sums come from the tensor cores as well (``p @ ones``, ``_attend_tiles``
 a thread and tile fewer in the softmax, 1-3% off a long chunk's time (3% at head_dim 64).
 
 At head_dim 64 a tile's products take half the time and its softmax the same, and the kernel
-takes 1.22-1.24x bf16's time (1.02-1.07x on long chunks at 128). Most of that is not the
+takes 1.22-1.25x bf16's time (1.02-1.07x on long chunks at 128). Most of that is not the
 attending loop's: with the dequantising warps idle (a measurement only: the tiles are then stale)
-it takes 1.08x bf16's time at head_dim 64 and 0.86x at 128. The dequantising warps' copies and
-conversions, issued by the same four schedulers, add the rest: about 0.15 of bf16's time at
-head_dim 64, and 0.2 at 128, where the loop alone leaves room for it. Changes to the attending loop did not move it: taking turns on the tensor cores, a third
+it takes 1.08x bf16's time at head_dim 64 and 0.86x at 128. The dequantising warps' work, issued
+by the same four schedulers, adds the rest (0.15 at head_dim 64, 0.2 at 128, where the loop alone
+leaves room for it), and most of it is the scales: copying them alone, with no code copied or
+converted, takes head_dim 64 to 1.18x. The cache keeps them ``[block, slot, KV head]``, so one
+head's scales of a page lie ``4 * num_kv_heads`` bytes apart, a 32-byte read each. V's codes add
+about 0.05 and K's nothing measurable. Kept per page and head, the scales' copies cost 0.03 and the
+kernel 2-4% less, still above 1.11x at head_dim 64 (RESULTS.md, 2026-12-04, eighth session).
+Changes to the attending loop did not move it either: taking turns on the tensor cores, a third
 or a fourth warpgroup, the row maximum as a tree, a share of the exponentials as a polynomial on
 the FMA units (FlashAttention-4's trick), or a loop with 30% fewer instructions that skips the row
 maxima and the rescale wherever a bound proves them unneeded (FlashAttention-4's conditional
