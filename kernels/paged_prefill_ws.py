@@ -187,9 +187,8 @@ def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ones, 
     flash_attention.py, with the products as Hopper's warpgroup MMAs).
 
     The row sums ``l_i`` come from the tensor cores too: ``p @ ones`` (8 columns of ones, every
-    column of the result the row sum) is accumulated and rescaled exactly as ``acc = p @ v`` is.
-    It saves the softmax its 64 additions a thread and tile and their shuffles, and divides the
-    output by the sum of the very bf16 probabilities that ``p @ v`` multiplied."""
+    column of the result the row sum) is accumulated and rescaled exactly as ``acc = p @ v`` is, so
+    the output is divided by the sum of the very bf16 probabilities that ``p @ v`` multiplied."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero = gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=s_layout)
     for j in range(j_start, j_end):
