@@ -171,11 +171,13 @@ def quantized_extend_inputs(batch, prefix, new, dim, kv_cache_dtype) -> dict:
     """``extend_inputs`` with the paged cache quantised: ``quant_args`` of ``paged_prefill`` (the
     codes, with ``quant_scales`` to pass beside them), and ``want``: the contiguous kernel on the
     dequantised K/V, what a quantised call must give."""
+    from kvlab.paging.kv_cache import per_page_and_head
     from kvlab.quantization import dequantize_kv, quantize_kv
 
     case = extend_inputs(batch, prefix, new, dim)
     q, k_cache, v_cache, tables, seq_lens, query_lens = case["args"]
     (k8, k_scale), (v8, v_scale) = quantize_kv(k_cache, kv_cache_dtype), quantize_kv(v_cache, kv_cache_dtype)
+    k_scale, v_scale = per_page_and_head(k_scale), per_page_and_head(v_scale)      # as the engine keeps them
     k, v = (torch.empty_like(case["k"]) for _ in range(2))
     for dense, codes, scale in ((k, k8, k_scale), (v, v8, v_scale)):
         pages = dequantize_kv(codes, scale, torch.bfloat16)[tables.long()]         # [B, blocks, 16, KV, D]

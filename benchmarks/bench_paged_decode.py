@@ -208,10 +208,12 @@ def chapter_rows() -> list[dict]:
 def quantized_batch(batch: int, seq_len: int, kv_cache_dtype: str) -> SimpleNamespace:
     """A random bf16 batch (``make_batch``), its cache quantised (``k8``, ``v8`` and their scales),
     and ``want``: cuDNN on the dequantised K/V, what a quantised call must give."""
+    from kvlab.paging.kv_cache import per_page_and_head
     from kvlab.quantization import dequantize_kv, quantize_kv
 
     q, k_cache, v_cache, tables, seq_lens = make_batch(batch, seq_len)
     (k8, k_scale), (v8, v_scale) = quantize_kv(k_cache, kv_cache_dtype), quantize_kv(v_cache, kv_cache_dtype)
+    k_scale, v_scale = per_page_and_head(k_scale), per_page_and_head(v_scale)      # as the engine keeps them
     k, v = contiguous_kv(dequantize_kv(k8, k_scale, torch.bfloat16), dequantize_kv(v8, v_scale, torch.bfloat16),
                          tables)
     return SimpleNamespace(q=q, k_cache=k_cache, v_cache=v_cache, tables=tables, seq_lens=seq_lens, k8=k8,

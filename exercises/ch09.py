@@ -26,10 +26,12 @@ import torch  # noqa: F401  (you will use it)
 import triton
 import triton.language as tl
 
-# Given: the course's rounding helpers, for your kernel (read kernels/write_kv_quant.py):
-# round_to_e4m3(y) rounds float32 |y| <= 448 to the nearest e4m3 value, round_half_even(y) to
-# the nearest integer (ties to even); both return float32.
-from kvlab.kernels.write_kv_quant import round_half_even, round_to_e4m3  # noqa: F401
+# Given: the course's helpers, for your kernel (read kernels/write_kv_quant.py):
+# power_of_two_scale(amax, QMAX, FP8) gives each row's scale by quantize_kv's rule (the smallest
+# power of two at or above amax * (1.0 / QMAX), its exponent clamped to the format's range, 1
+# where amax is 0); round_to_e4m3(y) rounds float32 |y| <= 448 to the nearest e4m3 value,
+# round_half_even(y) to the nearest integer (ties to even); all three return float32.
+from kvlab.kernels.write_kv_quant import power_of_two_scale, round_half_even, round_to_e4m3  # noqa: F401
 # Given (not tasks), shared with solutions/ch09.py: read kvlab/scaffold/ch09.py.
 from kvlab.scaffold.ch09 import PIECES, PreemptionCosts, my_quantization_user, write_kv_quantized_with  # noqa: F401
 
@@ -43,21 +45,32 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, tor
 
     In float32, for each row with ``amax`` its largest ``|x|`` and ``max`` the format's (448 or 127):
 
-    * ``scale = amax * (1.0 / max)``: amax times the float32 reciprocal, *not* ``amax / max``
-      (the two differ in the last bit for some amax; a GPU's PyTorch divides by a number that
-      way, and the course's kernel matches it). A row of zeros (``amax == 0``) gets scale 1, so
-      nothing divides by 0 and the row comes back as zeros, not NaN;
+    * ``ratio = amax * (1.0 / max)``: amax times the float32 reciprocal, *not* ``amax / max``
+      (the two differ in the last bit for some amax, enough to move a ratio across a power of
+      two; a GPU's PyTorch divides by a number that way, and the course's kernel matches it);
+    * ``scale`` is the smallest power of two at or above ``ratio``, ``2**e``, with ``e`` clamped to
+      the format's range: -15..7 for fp8, -24..9 for int8. ``mantissa, exponent =
+      torch.frexp(ratio)`` gives ``ratio = mantissa * 2**exponent`` with ``mantissa`` in [0.5, 1),
+      so ``e = exponent``, except where ``mantissa`` is exactly 0.5: ``ratio`` is a power of two
+      already, and ``e = exponent - 1``. Clamp ``e``, then ``torch.ldexp(torch.ones_like(ratio), e)``
+      is ``2**e``, exactly. A row of zeros (``amax == 0``) gets scale 1, so nothing divides by 0
+      and the row comes back as zeros, not NaN. Why a power of two: multiplying a code by a
+      power of two only moves its exponent, so every code times its scale is an fp16 number,
+      and a kernel can dequantise a whole tile of K or V exactly into fp16 for the tensor cores.
+      The price: a row's largest value lands in ``(max / 2, max]`` (clamps aside), not on ``max``;
     * ``y = x / scale``, clamped to ``[-max, max]``. With a row's own scale ``y`` overshoots
-      ``max`` by a rounding at most, but with a scale set any other way (per tensor, from a
-      calibration run) values land past it, and e4m3fn has no infinity: 500 must become 448;
+      ``max`` by a rounding at most, but where ``e`` was clamped at the top (a row past ``448 *
+      2**7`` = 57,344 for fp8, ``127 * 2**9`` = 65,024 for int8) values land past it, and e4m3fn
+      has no infinity: 500 must become 448;
     * int8: rounded to the nearest integer, ties to even (``torch.round``), then ``.to(torch.int8)``;
       fp8: ``.to(torch.float8_e4m3fn)`` (PyTorch's conversion rounds to the nearest, ties to even).
 
     Errors: ValueError for a ``kv_cache_dtype`` other than "fp8" or "int8" ("auto" included: it
     stores the model's dtype, there is nothing to quantise).
     """
-    raise NotImplementedError("quantize_kv: amax per row (over head_dim); scale = amax * (1.0 / max), 1 where amax "
-                              "is 0; codes = clamp(x / scale, -max, max), rounded (int8) and converted")
+    raise NotImplementedError("quantize_kv: per row, the smallest power of two >= amax * (1.0 / max) (frexp, "
+                              "exponent clamped, ldexp), 1 where amax is 0; codes = clamp(x / scale, -max, max), "
+                              "rounded, converted")
 
 
 def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -71,10 +84,11 @@ def dequantize_kv(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 def write_kv_quantized_kernel(
     key_ptr, value_ptr,            # [num_tokens, num_kv_heads, head_dim], rows may be strided
     k_cache_ptr, v_cache_ptr,      # [num_blocks, block_size, num_kv_heads, head_dim] fp8 or int8, contiguous
-    k_scale_ptr, v_scale_ptr,      # [num_blocks, block_size, num_kv_heads] float32
+    k_scale_ptr, v_scale_ptr,      # [num_blocks, block_size, num_kv_heads] float32, strided (below)
     slot_mapping_ptr,              # [num_tokens] int64
     key_token_stride, value_token_stride,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    scale_block_stride, scale_slot_stride, scale_head_stride,    # the scales' strides, K's and V's alike
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,     # the two rounded up to powers of two
     QMAX: tl.constexpr,            # 448.0 (fp8) or 127.0 (int8)
     FP8: tl.constexpr,             # True for fp8 (e4m3), False for int8
@@ -86,9 +100,10 @@ def write_kv_quantized_kernel(
     * Token ``t``'s K is a ``[NUM_KV_HEADS, HEAD_DIM]`` tile at ``key_ptr + t * key_token_stride
       + head * HEAD_DIM + dim``; use ``tl.arange(0, HEADS_PAD)`` and ``tl.arange(0, DIM_PAD)``
       and mask the padding rows and columns. Compute in float32.
-    * Per head (row): ``amax = tl.max(tl.abs(k), axis=1)``; ``scale = amax * (1.0 / QMAX)``, 1
-      where amax is 0; ``y = tl.div_rn(k, scale[:, None])`` (IEEE division: a GPU's plain ``/``
-      is approximate; in the interpreter both are exact); clamp ``y`` to ``[-QMAX, QMAX]``.
+    * Per head (row): ``amax = tl.max(tl.abs(k), axis=1)``; ``scale = power_of_two_scale(amax,
+      QMAX, FP8)`` (given: quantize_kv's power of two, 1 where amax is 0); ``y = tl.div_rn(k,
+      scale[:, None])`` (IEEE division: a GPU's plain ``/`` is approximate; in the interpreter both
+      are exact); clamp ``y`` to ``[-QMAX, QMAX]``.
     * Round **yourself**, then convert: fp8 with the given ``round_to_e4m3(y)``, int8 with
       ``round_half_even(y)``; then ``.to(k_cache_ptr.dtype.element_ty)``. Triton's CPU
       interpreter converts float32 to e4m3 wrongly for about 2% of values (7.886 becomes 4.0: it
@@ -96,12 +111,16 @@ def write_kv_quantized_kernel(
       256, not 448); a value already on the e4m3 grid and within ±448 converts exactly, there as
       on a GPU.
     * Store the codes at element ``slot * NUM_KV_HEADS * HEAD_DIM + head * HEAD_DIM + dim`` of the
-      flattened cache, and each head's scale at ``slot * NUM_KV_HEADS + head`` of the flattened
-      scales. The same for V.
+      flattened cache. Store each head's scale at block ``slot // BLOCK_SIZE``, offset ``slot %
+      BLOCK_SIZE``, through the strides: ``(slot // BLOCK_SIZE) * scale_block_stride + (slot %
+      BLOCK_SIZE) * scale_slot_stride + head * scale_head_stride``. The engine keeps a page's
+      scales of one head together (``[num_blocks, num_kv_heads, block_size]`` in memory, which is
+      how the attention kernels read them); a contiguous ``[num_blocks, block_size, num_kv_heads]``
+      tensor works too. The same for V.
     """
     raise NotImplementedError("write_kv_quantized_kernel: load the slot; mask rows with tl.where(slot >= 0, "
-                              "NUM_KV_HEADS, 0); amax per row, scale, div_rn, clamp, round_to_e4m3 / round_half_even; "
-                              "store codes and scales at the slot")
+                              "NUM_KV_HEADS, 0); amax per row, power_of_two_scale, div_rn, clamp, round_to_e4m3 / "
+                              "round_half_even; store codes at the slot and scales through their strides")
 
 
 # Given: write_kv_quantized(key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) launches

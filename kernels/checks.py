@@ -335,7 +335,9 @@ def write_kv_check_kernel(stats_ptr, slot_mapping_ptr, num_tokens):
 
 def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
     """A quantised cache (float8_e4m3fn or int8) comes with its scales, float32
-    ``[num_blocks, block_size, num_kv_heads]``, contiguous; any other cache without. True if quantised."""
+    ``[num_blocks, block_size, num_kv_heads]`` in any layout the two share (the kernels follow the
+    strides; the engine keeps a page's scales of one head together); any other cache without.
+    True if quantised."""
     quantized = k_cache.dtype in QUANTIZED_DTYPES
     if not quantized:
         if k_scale is not None or v_scale is not None:
@@ -349,9 +351,12 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != torch.float32:
             raise TypeError(f"{name} must be float32, got {t.dtype}")
-        if t.shape != k_cache.shape[:3] or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous [num_blocks, block_size, num_kv_heads] = "
+        if t.shape != k_cache.shape[:3]:
+            raise ValueError(f"{name} must be a [num_blocks, block_size, num_kv_heads] = "
                              f"{list(k_cache.shape[:3])} tensor, got {list(t.shape)}")
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError(f"k_scale and v_scale must share one layout: strides {k_scale.stride()} and "
+                         f"{v_scale.stride()}")
     check_same_device(k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
     return True
 

@@ -226,7 +226,7 @@ def _tile_pages(table_ptr, start_n, len_k, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl
 
 @triton.jit
 def _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, start_n, len_k, kv_head,
-                   BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   scale_strides, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, KV_QUANT: tl.constexpr):
     """K and V of the keys ``start_n .. start_n + BLOCK_N - 1`` of one sequence, whose table entries
     ``pages`` are (from ``_tile_pages``): key ``pos`` lives in slot ``page * BLOCK_SIZE + pos % BLOCK_SIZE``.
@@ -239,10 +239,12 @@ def _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, st
         # (start_n is a multiple of the page size here, so a key's place in its page is known at
         # compile time: no modulo per key.)
         PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
-        page = tl.reshape(tl.broadcast_to(pages[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,))
-        slot = page.to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_N) % BLOCK_SIZE
+        page = tl.reshape(tl.broadcast_to(pages[:, None], (PAGES, BLOCK_SIZE)), (BLOCK_N,)).to(tl.int64)
+        in_page = tl.arange(0, BLOCK_N) % BLOCK_SIZE
     else:
-        slot = pages.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
+        page = pages.to(tl.int64)
+        in_page = pos % BLOCK_SIZE
+    slot = page * BLOCK_SIZE + in_page
     # A slot holds all KV heads of one token; this head's row is HEAD_DIM contiguous elements.
     offs = (slot[:, None] * NUM_KV_HEADS + kv_head) * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :]
     if MASKED:
@@ -254,8 +256,9 @@ def _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, st
         k = tl.load(k_cache_ptr + offs)
         v = tl.load(v_cache_ptr + offs)
     if KV_QUANT:
-        # A slot's scales sit at the same (block, offset) as its values, one per KV head.
-        rows = slot * NUM_KV_HEADS + kv_head
+        # A slot's scales sit at the same (block, offset) as its values, one per KV head; the
+        # strides (block, offset, head) find them in either layout (kvlab.paging.kv_cache).
+        rows = page * scale_strides[0] + in_page * scale_strides[1] + kv_head * scale_strides[2]
         if MASKED:
             k_scale = tl.load(k_scale_ptr + rows, mask=in_seq, other=0.0)
             v_scale = tl.load(v_scale_ptr + rows, mask=in_seq, other=0.0)
@@ -268,8 +271,8 @@ def _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, st
 
 
 @triton.jit
-def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr,
-                       kv_head, full_end, end, len_k, shift, qk_scale, CAUSAL: tl.constexpr,
+def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale_strides,
+                       table_ptr, kv_head, full_end, end, len_k, shift, qk_scale, CAUSAL: tl.constexpr,
                        BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                        BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_QUANT: tl.constexpr):
     """``_attend_keys`` for keys in the paged cache: the same two ranges of tiles, each tile's
@@ -284,7 +287,8 @@ def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_sca
     for start_n in range(0, full_end, BLOCK_N):
         next_pages = _tile_pages(table_ptr, start_n + BLOCK_N, len_k, BLOCK_SIZE, BLOCK_N)
         k, v, ks, vs = _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, start_n, len_k,
-                                      kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False, KV_QUANT)
+                                      kv_head, scale_strides, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False,
+                                      KV_QUANT)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
                                      MASKED=False, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION,
                                      k_scale=ks, v_scale=vs, KV_QUANT=KV_QUANT)
@@ -292,7 +296,8 @@ def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_sca
     for start_n in range(full_end, end, BLOCK_N):
         k, v, ks, vs = _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
                                       _tile_pages(table_ptr, start_n, len_k, BLOCK_SIZE, BLOCK_N), start_n, len_k,
-                                      kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True, KV_QUANT)
+                                      kv_head, scale_strides, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True,
+                                      KV_QUANT)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, len_k, shift, qk_scale,
                                      MASKED=True, CAUSAL=CAUSAL, DOT_PRECISION=DOT_PRECISION,
                                      k_scale=ks, v_scale=vs, KV_QUANT=KV_QUANT)
@@ -300,7 +305,8 @@ def _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_sca
 
 
 @triton.jit
-def _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head,
+def _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, scale_strides,
+                   table_ptr, kv_head,
                    prefix_len, qk_scale, BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    KV_QUANT: tl.constexpr):
@@ -312,14 +318,16 @@ def _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_p
     for start_n in range(0, full_end, BLOCK_N):
         next_pages = _tile_pages(table_ptr, start_n + BLOCK_N, prefix_len, BLOCK_SIZE, BLOCK_N)
         k, v, ks, vs = _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, start_n,
-                                      prefix_len, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, False, KV_QUANT)
+                                      prefix_len, kv_head, scale_strides, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                      BLOCK_N, False, KV_QUANT)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, start_n + offs_n, prefix_len, 0, qk_scale,
                                      MASKED=False, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
                                      k_scale=ks, v_scale=vs, KV_QUANT=KV_QUANT)
         pages = next_pages
     if full_end < prefix_len:
         k, v, ks, vs = _load_paged_kv(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, pages, full_end,
-                                      prefix_len, kv_head, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, True, KV_QUANT)
+                                      prefix_len, kv_head, scale_strides, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM,
+                                      BLOCK_N, True, KV_QUANT)
         acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k, v, offs_m, full_end + offs_n, prefix_len, 0, qk_scale,
                                      MASKED=True, CAUSAL=False, DOT_PRECISION=DOT_PRECISION,
                                      k_scale=ks, v_scale=vs, KV_QUANT=KV_QUANT)
@@ -332,6 +340,8 @@ def paged_prefill_kernel(
     k_new_desc, v_new_desc,                     # NEW_KV: descriptors of the new tokens' K/V, packed like q
     k_cache_ptr, v_cache_ptr, out_ptr,          # caches [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]
     k_scale_ptr, v_scale_ptr,                   # KV_QUANT: [num_blocks, BLOCK_SIZE, num_kv_heads] float32, else None
+    # KV_QUANT: the scales' strides (K's = V's), constants: one compile per layout, no multiplies
+    scale_block_stride: tl.constexpr, scale_slot_stride: tl.constexpr, scale_head_stride: tl.constexpr,
     block_tables_ptr,                           # [batch, max_blocks] int32
     seq_lens_ptr,                               # [batch] int32: cached tokens, the new ones included
     cu_query_lens_ptr,                          # [batch + 1] int32: where each sequence's queries start
@@ -355,6 +365,7 @@ def paged_prefill_kernel(
     # The new tokens are the last len_q of the sequence's seq_len.
     seq_len = tl.load(seq_lens_ptr + seq)
     table_ptr = block_tables_ptr + seq * stride_table
+    scale_strides = (scale_block_stride, scale_slot_stride, scale_head_stride)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -376,8 +387,8 @@ def paged_prefill_kernel(
         # causal mask; only its ragged last tile is masked), and the new tokens attend causally
         # to each other, tiles straight from k_new/v_new. A plain prefill reads no page at all.
         acc, m_i, l_i = _attend_prefix(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                                       table_ptr, kv_head, seq_len - len_q, qk_scale, BLOCK_SIZE, NUM_KV_HEADS,
-                                       HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT)
+                                       scale_strides, table_ptr, kv_head, seq_len - len_q, qk_scale, BLOCK_SIZE,
+                                       NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION, KV_QUANT)
         full_end, end, shift = _causal_bounds(start_m, len_q, len_q, BLOCK_M, BLOCK_N, True)
         acc, m_i, l_i = _attend_keys(acc, m_i, l_i, q, offs_m, k_new_desc, v_new_desc, seq, kv_head, q_start,
                                      full_end, end, len_q, shift, qk_scale, True, True, BLOCK_N, HEAD_DIM,
@@ -386,8 +397,8 @@ def paged_prefill_kernel(
         # Every key through the block table, the causal shift being the cached prefix's length.
         full_end, end, shift = _causal_bounds(start_m, len_q, seq_len, BLOCK_M, BLOCK_N, True)
         acc, m_i, l_i = _attend_paged_keys(acc, m_i, l_i, q, offs_m, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                                           v_scale_ptr, table_ptr, kv_head, full_end, end, seq_len, shift, qk_scale,
-                                           True, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION,
+                                           v_scale_ptr, scale_strides, table_ptr, kv_head, full_end, end, seq_len, shift,
+                                           qk_scale, True, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, DOT_PRECISION,
                                            KV_QUANT)
 
     out = acc / l_i[:, None]
@@ -588,7 +599,8 @@ def paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_sc
                                _tile_descriptor(v_new, cfg["BLOCK_N"], varlen=True)) if new_kv else (None, None))
     grid = (triton.cdiv(max_query_len, cfg["BLOCK_M"]), num_heads, batch)
     paged_prefill_kernel[grid](
-        q_desc, k_new_desc, v_new_desc, k_cache, v_cache, out, k_scale, v_scale, block_tables, seq_lens,
+        q_desc, k_new_desc, v_new_desc, k_cache, v_cache, out, k_scale, v_scale,
+        *(k_scale.stride() if k_scale is not None else (0, 0, 0)), block_tables, seq_lens,
         cu_query_lens, out.stride(0), out.stride(1), block_tables.stride(0), num_heads // num_kv_heads,
         sm_scale * LOG2_E, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, NEW_KV=new_kv,
         DOT_PRECISION=_dot_precision(q.dtype), KV_QUANT=k_scale is not None, **cfg)

@@ -160,6 +160,7 @@ def decode_split_kernel(
 def decode_streams_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,   # as decode_split_kernel's; the cache holds fp8 or int8 codes
     k_scale_ptr, v_scale_ptr,          # [num_blocks, BLOCK_SIZE, num_kv_heads] float32: a scale per (token, KV head)
+    scale_block_stride, scale_slot_stride, scale_head_stride,    # the scales' strides, K's and V's alike
     block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     sm_scale, stride_qt, stride_qh, stride_table, num_kv_heads, num_splits,
     GROUP: tl.constexpr,
@@ -232,8 +233,10 @@ def decode_streams_kernel(
                          PIN=False)
         v = codes_to_dot(tl.load(v_cache_ptr + offs, mask=valid[:, :, None], other=0.0), QUANT_DOT, CODES_PTX,
                          PIN=True)
-        k_scale = tl.load(k_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
-        v_scale = tl.load(v_scale_ptr + slot * num_kv_heads + kv_head, mask=valid, other=0.0)
+        scale_offs = page.to(tl.int64) * scale_block_stride + (pos % BLOCK_SIZE) * scale_slot_stride \
+            + kv_head * scale_head_stride
+        k_scale = tl.load(k_scale_ptr + scale_offs, mask=valid, other=0.0)
+        v_scale = tl.load(v_scale_ptr + scale_offs, mask=valid, other=0.0)
 
         # [STREAMS, STREAM_N, GROUP_PAD]: scores transposed, a batched product, one stream a warp
         scores = tl.dot(k, q_t, input_precision=DOT_PRECISION).to(tl.float32)
@@ -375,7 +378,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, num_splits=None, s
     if quantised:
         quant_dot = torch.float32 if q.dtype == torch.float32 else torch.float16   # the dots' type over codes
         decode_streams_kernel[grid](
-            q, k_cache, v_cache, k_scale, v_scale, *rest, **shape, STREAMS=streams,
+            q, k_cache, v_cache, k_scale, v_scale, *k_scale.stride(), *rest, **shape, STREAMS=streams,
             CODES_PTX=codes_ptx(k_cache, quant_dot), QUANT_DOT=tl.float32 if quant_dot == torch.float32 else tl.float16,
             **launch)
     else:

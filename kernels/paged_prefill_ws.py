@@ -16,13 +16,13 @@ producer/consumer split). One program, 128 queries of one head, holds three grou
   the ring: ``q @ k.T``, the online softmax, ``p @ v``.
 
 Two barriers per stage of the ring pass each tile along: ``ready`` (the dequantising warps have
-written it) and ``empty`` (both warpgroups are done with it). K's codes go into ``q @ k.T``
-exactly, as in ``paged_prefill`` (e4m3 and int8 values are all fp16 numbers), and a key's scale
-multiplies its column of scores: rounding ``code * scale`` to 16 bits first moves large scores by
-whole units, which the exponential magnifies (0.15 of the output's largest value on the tests'
-ragged cases, against 0.005). V is dequantised by the dequantising warps
-(``code * scale``, rounded to bf16: what a bf16 cache holds), so the attending warpgroups do no
-more per tile than over a bf16 cache but for one multiply of the scores by K's scales.
+written it) and ``empty`` (both warpgroups are done with it). The cache's scales are powers of
+two (:mod:`kvlab.quantization`), so every code times its scale is an fp16 number: the
+dequantising warps write K's and V's values into the ring exactly, and the attending warpgroups
+run the very loop they would over an fp16 cache. With scales of any value, a key's scale had to
+multiply its column of scores after ``q @ k.T`` instead (rounding ``code * scale`` to 16 bits
+moves large scores by whole units, which the exponential magnifies: 0.15 of the output's largest
+value on the tests' ragged cases, against 0.005), a load and a multiply in the attending loop.
 
 Each warpgroup's chain (wait for the tile, ``q @ k.T``, softmax, ``p @ v``) is serial; the two
 warpgroups hide each other's softmax. FlashAttention-3 also overlaps a warpgroup's softmax with its
@@ -30,7 +30,7 @@ own ``p @ v``: compiled by Triton 3.6, that overlap survives ptxas only with ``p
 and measured 10-15% slower than this loop (benchmarks/RESULTS.md, 2026-12-04, second session).
 
 Shared memory is this kernel's scarce resource, more than the tensor cores: they read every tile
-from it, as in bf16, and the dequantising warps add their own traffic (codes in, fp16/bf16 out).
+from it, as in bf16, and the dequantising warps add their own traffic (codes in, fp16 out).
 Their register layout is chosen so that none of it meets a bank conflict (``_dequantise``); with
 8 lanes along one row, every store to the ring met a two-way conflict and the kernel took 5-8%
 longer (Nsight Compute, RESULTS.md, 2026-12-04, third session).
@@ -38,21 +38,20 @@ longer (Nsight Compute, RESULTS.md, 2026-12-04, third session).
 The row sums come from the tensor cores as well (``p @ ones``, ``_attend_tiles``): 64 additions
 a thread and tile fewer in the softmax, 1-3% off a long chunk's time (3% at head_dim 64).
 
-At head_dim 64 a tile's products take half the time and its softmax the same, and the kernel
-takes 1.22-1.25x bf16's time (1.02-1.07x on long chunks at 128). Most of that is not the
-attending loop's: with the dequantising warps idle (a measurement only: the tiles are then stale)
-it takes 1.08x bf16's time at head_dim 64 and 0.86x at 128. The dequantising warps' work, issued
-by the same four schedulers, adds the rest (0.15 at head_dim 64, 0.2 at 128, where the loop alone
-leaves room for it), and most of it is the scales: copying them alone, with no code copied or
-converted, takes head_dim 64 to 1.18x. The cache keeps them ``[block, slot, KV head]``, so one
-head's scales of a page lie ``4 * num_kv_heads`` bytes apart, a 32-byte read each. V's codes add
-about 0.05 and K's nothing measurable. Kept per page and head, the scales' copies cost 0.03 and the
-kernel 2-4% less, still above 1.11x at head_dim 64 (RESULTS.md, 2026-12-04, eighth session).
-Changes to the attending loop did not move it either: taking turns on the tensor cores, a third
-or a fourth warpgroup, the row maximum as a tree, a share of the exponentials as a polynomial on
-the FMA units (FlashAttention-4's trick), or a loop with 30% fewer instructions that skips the row
-maxima and the rescale wherever a bound proves them unneeded (FlashAttention-4's conditional
-rescale). Neither did more dequantising warps (RESULTS.md, 2026-12-04, fourth to seventh sessions).
+At head_dim 64 a tile's products take half the time and its softmax the same, so the attending
+loop leaves the dequantising warps less room: the kernel took 1.22-1.25x bf16's time there. Two
+changes of the cache's format brought it to 1.08-1.11x (and the long chunks at head_dim 128 to
+0.95-1.00x; RESULTS.md, 2026-12-04, ninth session). The powers of two took the scales out of the
+attending loop (1.12x). And the scales' layout: a program reads the 16 scales of a page for one
+head, which a ``[block, slot, KV head]`` tensor spreads ``4 * num_kv_heads`` bytes apart, a
+32-byte read each; copying them alone, with no code converted, cost 0.10 (eighth session). The
+engine keeps them per page and head (:class:`kvlab.paging.kv_cache.KVCache`), 64 contiguous bytes,
+and the kernel finds them through their strides. Changes to the attending loop had not moved it:
+taking turns on the tensor cores, a third or a fourth warpgroup, the row maximum as a tree, a share
+of the exponentials as a polynomial on the FMA units (FlashAttention-4's trick), or a loop with 30%
+fewer instructions that skips the row maxima and the rescale wherever a bound proves them unneeded
+(FlashAttention-4's conditional rescale). Neither had more dequantising warps (RESULTS.md,
+2026-12-04, fourth to seventh sessions).
 
 Gluon is Triton's lower-level language: the program says which warps do what, how each tensor
 is laid out across threads, and when to wait. It has no CPU interpreter, so this kernel only
@@ -91,18 +90,23 @@ def _tile_pages(table_ptr, start_n, limit, rows, BLOCK_SIZE: gl.constexpr):
 
 @gluon.jit
 def _copy_tile(codes_k, codes_v, scales_k, scales_v, slot, pages, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-               kv_head, limit, start_n, rows, cols, BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
+               kv_head, limit, start_n, rows, cols, SCALE_STRIDE_BLOCK: gl.constexpr, SCALE_STRIDE_SLOT: gl.constexpr,
+               SCALE_STRIDE_HEAD: gl.constexpr, BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr,
                HEAD_DIM: gl.constexpr):
     """Start copying the codes and scales of keys ``start_n ..`` (their table entries ``pages``) into
     staging ``slot``; keys at or past ``limit`` come as zeros (never a NaN past the end)."""
     pos = start_n + rows
     valid = pos < limit
-    row = (pages.to(gl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+    page = pages.to(gl.int64)
+    row = (page * BLOCK_SIZE + pos % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
     offs = row[:, None] * HEAD_DIM + cols[None, :]
+    # Kept per page and head (the engine's layout), a page's 16 scales of this head are 64
+    # contiguous bytes: two 32-byte reads, not the 16 of a [block, slot, KV head] layout.
+    scale_offs = page * SCALE_STRIDE_BLOCK + (pos % BLOCK_SIZE) * SCALE_STRIDE_SLOT + kv_head * SCALE_STRIDE_HEAD
     async_copy.async_copy_global_to_shared(codes_k.index(slot), k_cache_ptr + offs, mask=valid[:, None])
     async_copy.async_copy_global_to_shared(codes_v.index(slot), v_cache_ptr + offs, mask=valid[:, None])
-    async_copy.async_copy_global_to_shared(scales_k.index(slot), k_scale_ptr + row, mask=valid)
-    async_copy.async_copy_global_to_shared(scales_v.index(slot), v_scale_ptr + row, mask=valid)
+    async_copy.async_copy_global_to_shared(scales_k.index(slot), k_scale_ptr + scale_offs, mask=valid)
+    async_copy.async_copy_global_to_shared(scales_v.index(slot), v_scale_ptr + scale_offs, mask=valid)
     async_copy.commit_group()
 
 
@@ -119,12 +123,13 @@ def _to_float16(codes, INT8: gl.constexpr):
 
 @gluon.jit
 def _dequantise(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, seq_len, n_tiles,
-                k_ring, v_ring, k_scale_ring, ready, empty,
+                k_ring, v_ring, ready, empty,
                 BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr,
                 BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr,
-                NUM_WARPS: gl.constexpr, INT8: gl.constexpr, STAGING: gl.constexpr):
+                NUM_WARPS: gl.constexpr, INT8: gl.constexpr, STAGING: gl.constexpr, SCALE_STRIDE_BLOCK: gl.constexpr,
+                SCALE_STRIDE_SLOT: gl.constexpr, SCALE_STRIDE_HEAD: gl.constexpr):
     """Fill the ring with tiles 0 .. n_tiles - 1, each as BLOCK_N // SUB_N sub-tiles of SUB_N keys:
-    K's codes as fp16 with their scales beside them, V's values (code * scale) as bf16."""
+    K's and V's values, ``code * scale``, as fp16 (exact: the scales are powers of two)."""
     # A thread copies 16 codes of a row at once and reads back exactly the bytes it copied, so
     # waiting for its own copies is enough. Shared memory serves a 16-byte access 8 lanes at a
     # time, and those 8 lanes must hit 8 different groups of banks: here they hold 64 columns of
@@ -148,7 +153,8 @@ def _dequantise(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, k
     for t in gl.static_range(DEPTH):
         next_pages = _tile_pages(table_ptr, (t + 1) * SUB_N, limit, rows, BLOCK_SIZE)
         _copy_tile(codes_k, codes_v, scales_k, scales_v, t, pages, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
-                   kv_head, limit, t * SUB_N, rows, cols, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+                   kv_head, limit, t * SUB_N, rows, cols, SCALE_STRIDE_BLOCK, SCALE_STRIDE_SLOT, SCALE_STRIDE_HEAD,
+                   BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         pages = next_pages
     for j in range(n_tiles):
         stage = j % STAGES
@@ -156,23 +162,22 @@ def _dequantise(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, k
             sub = j * SUBS + h
             slot = sub % DEPTH
             async_copy.wait_group(DEPTH - 1)               # this sub-tile's copies have landed
-            # K stays exact (its scale goes on the scores' column); V takes its scale here and is
-            # rounded to bf16, as a bf16 cache would hold it.
-            k = _to_float16(codes_k.index(slot).load(layout), INT8)
-            v_scale = scales_v.index(slot).load(row_layout)
-            v = (_to_float16(codes_v.index(slot).load(layout), INT8).to(gl.float32) * v_scale[:, None]).to(gl.bfloat16)
-            k_scale = scales_k.index(slot).load(row_layout)
+            # A code times its power-of-two scale is an fp16 number (kvlab.quantization): the
+            # products are exact, and the attending warps take K and V as they would an fp16 cache.
+            k_scale = scales_k.index(slot).load(row_layout).to(gl.float16)
+            v_scale = scales_v.index(slot).load(row_layout).to(gl.float16)
+            k = _to_float16(codes_k.index(slot).load(layout), INT8) * k_scale[:, None]
+            v = _to_float16(codes_v.index(slot).load(layout), INT8) * v_scale[:, None]
             # The slot's contents are in registers now: refill it with sub-tile sub + DEPTH.
             next_pages = _tile_pages(table_ptr, (sub + DEPTH + 1) * SUB_N, limit, rows, BLOCK_SIZE)
             _copy_tile(codes_k, codes_v, scales_k, scales_v, slot, pages, k_cache_ptr, v_cache_ptr, k_scale_ptr,
-                       v_scale_ptr, kv_head, limit, (sub + DEPTH) * SUB_N, rows, cols, BLOCK_SIZE, NUM_KV_HEADS,
-                       HEAD_DIM)
+                       v_scale_ptr, kv_head, limit, (sub + DEPTH) * SUB_N, rows, cols, SCALE_STRIDE_BLOCK,
+                       SCALE_STRIDE_SLOT, SCALE_STRIDE_HEAD, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
             pages = next_pages
             if h == 0:   # wait for both warpgroups to be done with the stage's last tile
                 mbarrier.wait(empty.index(stage), ((j // STAGES) & 1) ^ 1)
             k_ring.index(stage).slice(h * SUB_N, SUB_N).store(k)
             v_ring.index(stage).slice(h * SUB_N, SUB_N).store(v)
-            k_scale_ring.index(stage).slice(h * SUB_N, SUB_N).store(k_scale)
         fence_async_shared()                               # make the stores visible to the tensor cores' reads
         mbarrier.arrive(ready.index(stage))                # hand the tile over
     async_copy.wait_group(0)
@@ -180,7 +185,7 @@ def _dequantise(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, k
 
 # -- the attending warpgroups ----------------------------------------------------------------
 @gluon.jit
-def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ones, ready, empty, j_start, j_end,
+def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, ones, ready, empty, j_start, j_end,
                   seq_len, shift, qk_scale, MASKED: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                   s_layout: gl.constexpr, o_layout: gl.constexpr, l_layout: gl.constexpr):
     """FlashAttention's loop over ring tiles ``j_start .. j_end - 1`` (``_attend_tile`` of
@@ -188,16 +193,14 @@ def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ones, 
 
     The row sums ``l_i`` come from the tensor cores too: ``p @ ones`` (8 columns of ones, every
     column of the result the row sum) is accumulated and rescaled exactly as ``acc = p @ v`` is, so
-    the output is divided by the sum of the very bf16 probabilities that ``p @ v`` multiplied."""
+    the output is divided by the sum of the very fp16 probabilities that ``p @ v`` multiplied."""
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     zero = gl.zeros([q.shape[0], BLOCK_N], gl.float32, layout=s_layout)
     for j in range(j_start, j_end):
         stage = j % STAGES
         mbarrier.wait(ready.index(stage), (j // STAGES) & 1)
         s = warpgroup_mma(q, k_ring.index(stage).permute((1, 0)), zero, use_acc=False, is_async=True)
-        k_scale = k_scale_ring.index(stage).load(gl.SliceLayout(0, s_layout))     # while the product runs
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        s = s * k_scale[None, :]
         if MASKED:
             pos = j * BLOCK_N + offs_n
             visible = (pos[None, :] < seq_len) & (pos[None, :] <= offs_m[:, None] + shift)
@@ -207,7 +210,7 @@ def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ones, 
         alpha = gl.exp2(m_i - m_new)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         l_i = l_i * gl.convert_layout(alpha, gl.SliceLayout(1, l_layout))[:, None]
-        p = p.to(gl.bfloat16)
+        p = p.to(gl.float16)
         acc = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)),
                             v_ring.index(stage), acc, is_async=True)
         l_i = warpgroup_mma(gl.convert_layout(p, gl.DotOperandLayout(operand_index=0, parent=l_layout, k_width=2)),
@@ -220,7 +223,7 @@ def _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ones, 
 
 @gluon.jit
 def _attend(q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh, stride_ot, stride_oh, seq_len,
-            n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ones, ready, empty,
+            n_tiles, qk_scale, k_ring, v_ring, ones, ready, empty,
             HEAD_DIM: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: queries ``start_m .. start_m + ROWS - 1`` of the sequence over every tile of the ring."""
     # The MMAs' accumulator layouts: 4 warps down the rows, 16 rows each.
@@ -245,9 +248,9 @@ def _attend(q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh,
     # both): the first one's last tile may be all masked, and adds nothing.
     shift = seq_len - len_q
     n_full = gl.minimum((start_m + shift + 1) // BLOCK_N, n_tiles)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ones, ready, empty, 0,
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, ones, ready, empty, 0,
                                   n_full, seq_len, shift, qk_scale, False, BLOCK_N, STAGES, s_layout, o_layout, l_layout)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, k_scale_ring, ones, ready, empty, n_full,
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, offs_m, k_ring, v_ring, ones, ready, empty, n_full,
                                   n_tiles, seq_len, shift, qk_scale, True, BLOCK_N, STAGES, s_layout, o_layout, l_layout)
     l_i = gl.max(l_i, 1)                                        # its columns are equal: take any
     out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
@@ -259,13 +262,15 @@ def _attend(q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh,
 @gluon.jit
 def paged_prefill_ws_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,   # q/out [total_q, num_heads, HEAD_DIM]; codes [blocks, BLOCK_SIZE, kv_heads, HEAD_DIM]
-    k_scale_ptr, v_scale_ptr,                   # [blocks, BLOCK_SIZE, kv_heads] float32
+    k_scale_ptr, v_scale_ptr,                   # [blocks, BLOCK_SIZE, kv_heads] float32, powers of two
     block_tables_ptr, seq_lens_ptr, cu_query_lens_ptr,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_table, group, qk_scale,
     BLOCK_SIZE: gl.constexpr, NUM_KV_HEADS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr, SUB_N: gl.constexpr, STAGES: gl.constexpr, DEPTH: gl.constexpr,
     CONVERT_WARPS: gl.constexpr, ATTEND_REGS: gl.constexpr, CONVERT_REGS: gl.constexpr, INT8: gl.constexpr,
     STAGING: gl.constexpr,
+    # the scales' strides (K's = V's), as constants: one compile per layout
+    SCALE_STRIDE_BLOCK: gl.constexpr, SCALE_STRIDE_SLOT: gl.constexpr, SCALE_STRIDE_HEAD: gl.constexpr,
 ):
     # One program: BLOCK_M new tokens of one head of one sequence (the grid of paged_prefill_kernel).
     pid_m = gl.program_id(0)
@@ -279,13 +284,11 @@ def paged_prefill_ws_kernel(
         # the keys any of the block's queries sees (its last query sees the most)
         n_tiles = gl.cdiv(gl.minimum(start_m + BLOCK_M + seq_len - len_q, seq_len), BLOCK_N)
 
-        # The ring: K's codes as fp16, V's values as bf16, laid out as the warpgroup MMAs read them.
+        # The ring: K's and V's values as fp16, laid out as the warpgroup MMAs read them.
         k_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM],
                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16))
-        v_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HEAD_DIM],
-                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.bfloat16))
-        plain_1d: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        k_scale_ring = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], plain_1d)
+        v_ring = gl.allocate_shared_memory(gl.float16, [STAGES, BLOCK_N, HEAD_DIM],
+                                           gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], gl.float16))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -293,25 +296,25 @@ def paged_prefill_ws_kernel(
             mbarrier.init(empty.index(i), count=2)     # both attending warpgroups do
         # A tile of ones for the row sums' product (p @ ones), written once and fenced for the tensor cores.
         fill: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        ones = gl.allocate_shared_memory(gl.bfloat16, [8, BLOCK_N],
-                                         gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.bfloat16),
-                                         gl.full([8, BLOCK_N], 1.0, gl.bfloat16, layout=fill))
+        ones = gl.allocate_shared_memory(gl.float16, [8, BLOCK_N],
+                                         gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], gl.float16),
+                                         gl.full([8, BLOCK_N], 1.0, gl.float16, layout=fill))
         fence_async_shared()
 
         ROWS: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
             # the kernel's own warps: the first 64 queries
             (_attend, (q_ptr, out_ptr, q_start, start_m, len_q, head, stride_qt, stride_qh, stride_ot, stride_oh,
-                       seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ones, ready, empty,
+                       seq_len, n_tiles, qk_scale, k_ring, v_ring, ones, ready, empty,
                        HEAD_DIM, ROWS, BLOCK_N, STAGES)),
             # a second warpgroup: the next 64
             (_attend, (q_ptr, out_ptr, q_start, start_m + ROWS, len_q, head, stride_qt, stride_qh, stride_ot,
-                       stride_oh, seq_len, n_tiles, qk_scale, k_ring, v_ring, k_scale_ring, ones, ready, empty,
+                       stride_oh, seq_len, n_tiles, qk_scale, k_ring, v_ring, ones, ready, empty,
                        HEAD_DIM, ROWS, BLOCK_N, STAGES)),
             (_dequantise, (k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr + seq * stride_table,
-                           head // group, seq_len, n_tiles, k_ring, v_ring, k_scale_ring, ready, empty,
+                           head // group, seq_len, n_tiles, k_ring, v_ring, ready, empty,
                            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, BLOCK_N, SUB_N, STAGES, DEPTH, CONVERT_WARPS, INT8,
-                           STAGING)),
+                           STAGING, SCALE_STRIDE_BLOCK, SCALE_STRIDE_SLOT, SCALE_STRIDE_HEAD)),
         ], [4, CONVERT_WARPS], [ATTEND_REGS, CONVERT_REGS])
 
 
@@ -349,5 +352,6 @@ def paged_prefill_ws(q, k_cache, v_cache, block_tables, seq_lens, cu_query_lens,
         BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N[head_dim], SUB_N=SUB_N, STAGES=STAGES, DEPTH=DEPTH, CONVERT_WARPS=CONVERT_WARPS,
         ATTEND_REGS=ATTEND_REGS, CONVERT_REGS=CONVERT_REGS, INT8=k_cache.dtype == torch.int8,
-        STAGING=_staging_layout(SUB_N, head_dim), num_warps=4)
+        STAGING=_staging_layout(SUB_N, head_dim), SCALE_STRIDE_BLOCK=k_scale.stride(0),
+        SCALE_STRIDE_SLOT=k_scale.stride(1), SCALE_STRIDE_HEAD=k_scale.stride(2), num_warps=4)
     return out

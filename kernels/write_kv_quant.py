@@ -1,8 +1,9 @@
 """write_kv_quantized: write_kv for a quantised cache (kv_cache_dtype "fp8" or "int8").
 
 Token ``t`` goes to slot ``slot_mapping[t]`` (-1: padding, nothing written), as in write_kv;
-on the way each (token, KV head) row of ``head_dim`` values gets its scale, ``amax / max``,
-and is divided by it, clamped and rounded to the stored dtype. The scale goes to the same slot
+on the way each (token, KV head) row of ``head_dim`` values gets its scale, the smallest power
+of two at or above ``amax / max`` (:func:`power_of_two_scale`), and is divided by it, clamped
+and rounded to the stored dtype. The scale goes to the same slot
 of ``k_scale``/``v_scale``. :func:`kvlab.quantization.quantize_kv` is the reference: the kernel
 matches it bit for bit, in Triton's interpreter as on a GPU.
 
@@ -46,11 +47,25 @@ def round_to_e4m3(y):
 
 
 @triton.jit
+def power_of_two_scale(amax, QMAX: tl.constexpr, FP8: tl.constexpr):
+    """The scale of rows whose largest magnitude is ``amax`` (float32): the smallest power of two at
+    or above ``amax * (1.0 / QMAX)``, its exponent clamped to fp8's [-15, 7] or int8's [-24, 9]
+    (``kvlab.quantization``: every code times such a scale is an fp16 number); 1 where amax is 0."""
+    ratio = amax * (1.0 / QMAX)                                   # as the reference: times the reciprocal
+    bits = ratio.to(tl.int32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF) - 127                         # ratio is in [2**e, 2**(e + 1))
+    exponent = tl.where((bits & 0x7FFFFF) != 0, exponent + 1, exponent)    # not a power of two: round up
+    exponent = tl.minimum(tl.maximum(exponent, -15 if FP8 else -24), 7 if FP8 else 9)
+    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    return tl.where(amax > 0, scale, 1.0)
+
+
+@triton.jit
 def quantize_rows(x, QMAX: tl.constexpr, FP8: tl.constexpr):
     """``x [heads, head_dim]`` float32 -> (values on the stored grid, still float32; scale per head)."""
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(amax > 0, amax * (1.0 / QMAX), 1.0)          # as the reference: times the reciprocal
-    # div_rn: IEEE division, as PyTorch's; a GPU's default float32 division is approximate.
+    scale = power_of_two_scale(tl.max(tl.abs(x), axis=1), QMAX, FP8)
+    # div_rn: IEEE division, as PyTorch's (a GPU's default float32 division is approximate; by a
+    # power of two both are exact, but the clamp below must see the same y on every device).
     y = tl.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -QMAX), QMAX)      # float8 e4m3fn has no infinity: saturate
     if FP8:
@@ -64,10 +79,11 @@ def quantize_rows(x, QMAX: tl.constexpr, FP8: tl.constexpr):
 def write_kv_quantized_kernel(
     key_ptr, value_ptr,            # [num_tokens, num_kv_heads, head_dim], rows may be strided
     k_cache_ptr, v_cache_ptr,      # [num_blocks, block_size, num_kv_heads, head_dim] fp8 or int8, contiguous
-    k_scale_ptr, v_scale_ptr,      # [num_blocks, block_size, num_kv_heads] float32
+    k_scale_ptr, v_scale_ptr,      # [num_blocks, block_size, num_kv_heads] float32, strided (below)
     slot_mapping_ptr,              # [num_tokens] int64
     key_token_stride, value_token_stride,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    scale_block_stride, scale_slot_stride, scale_head_stride,    # the scales' strides, K's and V's alike
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,     # the two rounded up to powers of two
     QMAX: tl.constexpr,            # 448.0 (fp8) or 127.0 (int8)
     FP8: tl.constexpr,
@@ -81,7 +97,10 @@ def write_kv_quantized_kernel(
     mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
     offs = heads[:, None] * HEAD_DIM + dims[None, :]
     cache_offs = slot * (NUM_KV_HEADS * HEAD_DIM) + offs
-    scale_offs = slot * NUM_KV_HEADS + heads
+    # The engine keeps a page's scales of one head together ([num_blocks, num_kv_heads, block_size]
+    # in memory, kvlab.paging.kv_cache): the strides find them in either layout.
+    scale_offs = (slot // BLOCK_SIZE) * scale_block_stride + (slot % BLOCK_SIZE) * scale_slot_stride \
+        + heads * scale_head_stride
 
     k = tl.load(key_ptr + token * key_token_stride + offs, mask=mask, other=0.0).to(tl.float32)
     k, k_scale = quantize_rows(k, QMAX, FP8)
@@ -111,12 +130,13 @@ def write_kv_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Te
 
 def launch_write_kv_quantized(kernel, key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping) -> None:
     """Launch ``kernel`` (this module's, or one with its signature): one program per token, the
-    cache format's ``QMAX`` and ``FP8`` as constants. No checks."""
+    scales' strides, the cache format's ``QMAX`` and ``FP8`` as constants. No checks."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     fmt = QUANTIZED_DTYPES[k_cache.dtype]
     kernel[(num_tokens,)](
         key, value, k_cache, v_cache, k_scale, v_scale, slot_mapping, key.stride(0), value.stride(0),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HEADS_PAD=triton.next_power_of_2(num_kv_heads),
-        DIM_PAD=triton.next_power_of_2(head_dim), QMAX=fmt.max, FP8=fmt.dtype == torch.float8_e4m3fn)
+        *k_scale.stride(), BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim), QMAX=fmt.max,
+        FP8=fmt.dtype == torch.float8_e4m3fn)

@@ -7,8 +7,27 @@
 * ``"int8"``: integers -127..127 (-128 is left out so the grid is symmetric).
 
 A value ``x`` is stored as ``q = round(clamp(x / scale, -max, max))`` and read back as
-``q * scale``, with ``scale = amax / max`` and ``amax`` the largest ``|x|`` of one token's
-``head_dim`` values in one KV head.
+``q * scale``. ``scale`` is the smallest power of two at or above ``amax / max``, with ``amax``
+the largest ``|x|`` of one token's ``head_dim`` values in one KV head: the row's largest value
+lands in the top half of the grid, ``(max / 2, max]``.
+
+**Why a power of two.** Multiplying a code by a power of two only moves its exponent, so
+``q * scale`` is exact in any float format that has the bits of ``q`` and the range: in fp16,
+for every scale from ``2**min_exponent`` to ``2**max_exponent`` (fp8: 2^-15 .. 2^7, int8:
+2^-24 .. 2^9; every code times such a scale is an fp16 number, subnormals included). A kernel
+can then dequantise a whole tile of K or V once, exactly, into the 16-bit numbers the tensor
+cores take, instead of applying a key's scale to its column of scores in the attention loop
+(``kvlab.kernels.paged_prefill_ws``). What it costs: fp8's 3 mantissa bits give every value the
+same relative precision wherever the row's largest one lands, but that largest value is no longer
+stored exactly (with ``amax / max`` it landed on 448 itself), so a row that one value dominates
+comes back about 1.5x less exact (2.6% against 1.7% on :func:`outlier_kv` data; 2.65% against
+2.57% on Gaussian rows). int8 loses up to one bit on a row whose largest value lands just above
+``max / 2`` (0.91% against 0.65% on Gaussian rows). On the shipped model both stay far inside 1%
+of perplexity (benchmarks/RESULTS.md). The OCP microscaling formats (MXFP8,
+MXINT8) make the same choice: one power-of-two scale per group of values. Scales are clamped to
+that range, so a row larger than ``max * 2**max_exponent`` (57,344 for fp8, 65,024 for int8:
+fp16's range, about) saturates, and a row smaller than ``max * 2**min_exponent`` keeps its
+values to within ``2**(min_exponent - 1)`` of a code step (fp16's precision near zero).
 
 **Why one scale per (token, KV head).** A token's K and V are written once, when its forward
 pass computes them, and never change. A scale of its own can be fixed at that moment, from
@@ -17,9 +36,10 @@ the largest value over all tokens, future ones included (or a calibration run th
 it); and one outlier token (an attention sink, say) would set it for everyone: every other
 token would use a small corner of the grid and lose its resolution.
 :func:`quantization_error` measures it on :func:`outlier_kv` data (256 tokens, 4 of them 100x
-larger): int8 loses 1.3% of a token per (token, head), 60% per tensor (most values round to
-0). fp8 suffers less, 1.7% against 2.6%: its exponent absorbs a 100x outlier, and the error
-only blows up (47%) when the others fall to its subnormals, at 10^5x. The scales cost 4 bytes
+larger, 2 KV heads of 64): int8 loses 1.9% of a token per (token, head), 60% per tensor (most
+values round to 0). fp8 loses 2.6% either way: its exponent absorbs a 100x outlier, and the
+error only blows up (47% per tensor, 4% per (token, head)) when the others fall to its
+subnormals, at 10^5x. The scales cost 4 bytes
 per ``head_dim`` values: 3% of an fp8 cache at ``head_dim`` 128.
 
 The cache: values ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the stored dtype and
@@ -42,12 +62,14 @@ class KVCacheFormat:
     name: str
     dtype: torch.dtype
     max: float
+    min_exponent: int     # scales are powers of two 2**e, e in [min_exponent, max_exponent]:
+    max_exponent: int     # every code times one of them is an fp16 number
 
 
 KV_CACHE_DTYPES: dict[str, KVCacheFormat | None] = {
     "auto": None,                                                 # the model's dtype, not quantised
-    "fp8": KVCacheFormat("fp8", torch.float8_e4m3fn, 448.0),
-    "int8": KVCacheFormat("int8", torch.int8, 127.0),
+    "fp8": KVCacheFormat("fp8", torch.float8_e4m3fn, 448.0, -15, 7),     # codes: multiples of 2^-9 up to 448
+    "int8": KVCacheFormat("int8", torch.int8, 127.0, -24, 9),            # codes: integers up to 127
 }
 _ALIASES = {"fp8_e4m3": "fp8"}
 QUANTIZED_DTYPES = {f.dtype: f for f in KV_CACHE_DTYPES.values() if f is not None}
@@ -80,19 +102,31 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype) -> tuple[torch.Tensor, torch.Te
     """Quantise ``x [..., num_kv_heads, head_dim]``: returns ``(q, scale)``.
 
     ``q`` has ``x``'s shape in the format's dtype; ``scale`` is ``x.shape[:-1]`` float32, one per
-    (token, KV head): ``amax / max`` over ``head_dim``, 1 where the values are all zero. Values
-    are divided by the scale in float32, clamped to ``[-max, max]`` and rounded to the nearest
-    stored value (ties to even). This is the reference the Triton kernel matches bit for bit.
+    (token, KV head): :func:`power_of_two_scale` of the row's ``amax`` over ``head_dim``, 1 where
+    the values are all zero. Values are divided by the scale in float32 (exact: a power of two),
+    clamped to ``[-max, max]`` and rounded to the nearest stored value (ties to even). This is the
+    reference the Triton kernel matches bit for bit.
     """
     fmt = _quantized_format(kv_cache_dtype)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
         raise TypeError("x must be a floating-point tensor [..., head_dim]")
     x = x.float()
-    amax = x.abs().amax(dim=-1)
+    scale = power_of_two_scale(x.abs().amax(dim=-1), fmt)
+    return _to_grid(x / scale[..., None], fmt), scale
+
+
+def power_of_two_scale(amax: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
+    """The scale of rows whose largest magnitude is ``amax`` (float32): the smallest power of two
+    at or above ``amax * (1.0 / max)``, clamped to ``[2**min_exponent, 2**max_exponent]``; 1 where
+    ``amax`` is 0 (a row of zeros comes back as zeros, not NaN)."""
     # amax times the float32 reciprocal of max, not amax / max: a GPU's PyTorch divides a tensor by
     # a number that way, so this is the one rounding every device and the kernel agree on.
-    scale = torch.where(amax > 0, amax * (1.0 / fmt.max), torch.ones_like(amax))
-    return _to_grid(x / scale[..., None], fmt), scale
+    ratio = amax.float() * (1.0 / fmt.max)
+    mantissa, exponent = torch.frexp(ratio)             # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)
+    exponent = torch.where(ratio > 0, exponent, fmt.min_exponent).clamp(fmt.min_exponent, fmt.max_exponent)
+    scale = torch.ldexp(torch.ones_like(ratio), exponent)
+    return torch.where(amax > 0, scale, torch.ones_like(ratio))
 
 
 def _to_grid(y: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:

@@ -4,24 +4,30 @@ import math  # noqa: F401
 import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
 import torch
 
-from kvlab.kernels.write_kv_quant import round_half_even, round_to_e4m3  # noqa: F401
+from kvlab.kernels.write_kv_quant import power_of_two_scale, round_half_even, round_to_e4m3  # noqa: F401
 # The write_kernel answer is the course's own kernel: read kernels/write_kv_quant.py.
 from kvlab.kernels.write_kv_quant import quantize_rows, write_kv_quantized_kernel  # noqa: F401
 # Given (not tasks), shared with exercises/ch09.py: read kvlab/scaffold/ch09.py.
 from kvlab.scaffold.ch09 import PIECES, PreemptionCosts, my_quantization_user, write_kv_quantized_with  # noqa: F401
 from kvlab.validation import check_count
 
-FORMATS = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}
+# dtype, max, and the range of the scales' exponents (every code times 2**e is an fp16 number)
+FORMATS = {"fp8": (torch.float8_e4m3fn, 448.0, -15, 7), "int8": (torch.int8, 127.0, -24, 9)}
 
 
 # -- task quantize -------------------------------------------------------------------------------
 def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     if kv_cache_dtype not in FORMATS:
         raise ValueError(f"kv_cache_dtype must be 'fp8' or 'int8', got {kv_cache_dtype!r}")
-    dtype, qmax = FORMATS[kv_cache_dtype]
+    dtype, qmax, min_exponent, max_exponent = FORMATS[kv_cache_dtype]
     x = x.float()
     amax = x.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax * (1.0 / qmax), torch.ones_like(amax))
+    ratio = amax * (1.0 / qmax)
+    mantissa, exponent = torch.frexp(ratio)         # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
+    exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)      # 0.5: ratio is a power of two already
+    exponent = torch.where(ratio > 0, exponent, min_exponent)            # amax so small that ratio is 0
+    scale = torch.ldexp(torch.ones_like(ratio), exponent.clamp(min_exponent, max_exponent))
+    scale = torch.where(amax > 0, scale, torch.ones_like(scale))
     y = (x / scale[..., None]).clamp(-qmax, qmax)
     if dtype == torch.int8:
         y = torch.round(y)

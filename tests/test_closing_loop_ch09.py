@@ -73,7 +73,7 @@ def test_int8_through_the_reference_quantize():
 
 
 def test_a_wrong_piece_changes_the_text(answers, reference):
-    """Scales off by 2x (a classic: amax / max taken twice), and a write that skips the V rows:
+    """Scales off by 2x (a classic: the exponent one too high), and a write that skips the V rows:
     the engine reads what the pieces stored, so the tokens change (or the text is NaN garbage)."""
     def doubled(x, kv_cache_dtype):
         codes, scales = answers.quantize_kv(x, kv_cache_dtype)

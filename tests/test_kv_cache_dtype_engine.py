@@ -57,10 +57,14 @@ def test_what_the_cache_holds_is_the_quantised_k(kv_cache_dtype):
 
 @pytest.mark.parametrize("kv_cache_dtype", FORMATS)
 def test_engine_paths_match_the_reference_on_the_same_quantised_cache(kv_cache_dtype):
-    """Batched gather vs one-sequence-at-a-time reference; small chunks (mixed steps, extends)."""
-    want = tokens(LLM(kv_cache_dtype=kv_cache_dtype, attention_backend="reference", **SMALL))
-    assert tokens(LLM(kv_cache_dtype=kv_cache_dtype, **SMALL)) == want
-    chunked = dict(SMALL, max_num_batched_tokens=16)
+    """Batched gather vs one-sequence-at-a-time reference; small chunks (mixed steps, extends).
+
+    In float32, as the next test: in bf16 on a GPU the two paths round differently, and a logit
+    near-tie picked another greedy token (int8, the 5th token of the first prompt, on an H200)."""
+    small = dict(SMALL, dtype="float32")
+    want = tokens(LLM(kv_cache_dtype=kv_cache_dtype, attention_backend="reference", **small))
+    assert tokens(LLM(kv_cache_dtype=kv_cache_dtype, **small)) == want
+    chunked = dict(small, max_num_batched_tokens=16)
     assert tokens(LLM(kv_cache_dtype=kv_cache_dtype, **chunked)) == want
 
 

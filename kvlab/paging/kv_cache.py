@@ -32,8 +32,10 @@ class KVCache:
 
     A quantised cache (``kv_cache_dtype`` "fp8" or "int8", chapter 9) holds ``k``/``v`` in that
     format and one float32 scale per (slot, KV head) beside them: ``k_scale[layer]`` is
-    ``[num_blocks, block_size, num_kv_heads]``, so one slot index finds a token's values and
-    its scales.
+    ``[num_blocks, block_size, num_kv_heads]``, so one (block, offset) finds a token's values and
+    its scales. In memory they are ``[num_blocks, num_kv_heads, block_size]``: a page's scales of
+    one head lie together (64 bytes for 16 slots), which is how an attention kernel reads them,
+    one head at a time; ``k_scale[layer]`` is that tensor with its last two dimensions swapped.
     """
 
     k: torch.Tensor  # [num_layers, num_blocks, block_size, num_kv_heads, head_dim]
@@ -63,8 +65,8 @@ class KVCache:
         bytes exactly (float8 as uint8): what copy-on-write copies."""
         if not self.quantized:
             return [self.k, self.v]
-        return [self.k.view(torch.uint8), self.v.view(torch.uint8), self.k_scale.unsqueeze(-1),
-                self.v_scale.unsqueeze(-1)]
+        return [self.k.view(torch.uint8), self.v.view(torch.uint8), _as_stored(self.k_scale).unsqueeze(-1),
+                _as_stored(self.v_scale).unsqueeze(-1)]
 
     @property
     def num_layers(self) -> int:
@@ -117,8 +119,27 @@ def allocate_kv_cache(
                        v=torch.empty(shape, dtype=dtype, device=device))
     return KVCache(k=torch.empty(shape, dtype=fmt.dtype, device=device),
                    v=torch.empty(shape, dtype=fmt.dtype, device=device),
-                   k_scale=torch.ones(shape[:-1], dtype=torch.float32, device=device),
-                   v_scale=torch.ones(shape[:-1], dtype=torch.float32, device=device))
+                   k_scale=kv_scales(shape[:-1], device), v_scale=kv_scales(shape[:-1], device))
+
+
+def kv_scales(shape, device) -> torch.Tensor:
+    """Scales of ones, ``shape`` = ``[..., num_blocks, block_size, num_kv_heads]``, stored per page
+    and head (``[..., num_blocks, num_kv_heads, block_size]`` in memory)."""
+    *lead, num_blocks, block_size, num_kv_heads = shape
+    return torch.ones(*lead, num_blocks, num_kv_heads, block_size, dtype=torch.float32,
+                      device=device).transpose(-1, -2)
+
+
+def per_page_and_head(scales: torch.Tensor) -> torch.Tensor:
+    """A copy of ``scales [..., num_blocks, block_size, num_kv_heads]`` laid out as the engine
+    keeps them (see :func:`kv_scales`): what a benchmark of the engine's kernels should read."""
+    return scales.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def _as_stored(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` in their memory order (a view): ``[..., num_kv_heads, block_size]`` for the
+    engine's layout, as they are for a contiguous tensor."""
+    return scales if scales.is_contiguous() else scales.transpose(-1, -2)
 
 
 def batch_slot_mapping(pool, requests, pad_to: int | None = None, device="cpu") -> torch.Tensor:

@@ -53,7 +53,7 @@ def scatter_with(quantize_kv):
                                  f"{list(codes.shape)} and scales {list(scale.shape)}; the cache wants codes "
                                  f"{cache.dtype} {list(x.shape)} and scales {list(x.shape[:-1])}")
             cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, codes.view(torch.uint8))
-            scales.view(-1, scales.shape[-1]).index_copy_(0, slots, scale.float())
+            scales[slots // scales.shape[1], slots % scales.shape[1]] = scale.float()   # (block, offset)
 
     return write
 
@@ -62,7 +62,7 @@ def forget_slots(k_cache, v_cache, k_scale, v_scale, slots) -> None:
     """Wipe ``slots`` of one layer: scales NaN, fp8 values NaN (byte 0x7F), so that a row nobody
     writes again poisons every attention that reads it."""
     for cache, scales in ((k_cache, k_scale), (v_cache, v_scale)):
-        scales.view(-1, scales.shape[-1])[slots] = float("nan")
+        scales[slots // scales.shape[1], slots % scales.shape[1]] = float("nan")
         if cache.dtype == torch.float8_e4m3fn:
             cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = 0x7F
 

@@ -12,6 +12,7 @@ from kvlab.scaffold.ch09 import PreemptionCosts
 pytestmark = pytest.mark.ch09
 
 FORMATS = {"fp8": (torch.float8_e4m3fn, 448.0), "int8": (torch.int8, 127.0)}
+EXPONENTS = {"fp8": (-15, 7), "int8": (-24, 9)}      # the range of each format's scales: 2**e
 
 
 def kv_like(shape, seed=0, dtype=torch.float32):
@@ -31,15 +32,33 @@ def first_mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
     return f"at {list(where)}: got {got[where].item()}, expected {want[where].item()} ({bad.shape[0]} differ)"
 
 
+def scale_hint(got: float, want: float) -> str:
+    """What a wrong scale most likely means, for a learner (a line of its own under the mismatch)."""
+    mantissa, _ = torch.frexp(torch.tensor(got, dtype=torch.float32))
+    if not got > 0 or float(mantissa) != 0.5:
+        return "not a power of two: the scale is the smallest 2**e at or above amax * (1.0 / max), not the ratio itself"
+    if want == 1.0:
+        return "a row of zeros gets scale 1, as does a row whose amax * (1.0 / max) is above 0.5 and at most 1"
+    clamp = "the exponent is clamped to the format's range: fp8 -15..7, int8 -24..9"
+    if (want in (2.0 ** 7, 2.0 ** 9) and got > want) or (want in (2.0 ** -15, 2.0 ** -24) and got < want):
+        return clamp
+    if got == 2 * want:
+        return ("twice too large: where torch.frexp's mantissa is exactly 0.5 the ratio is a power of two already, "
+                "2**(exponent - 1); and the ratio is amax * (1.0 / max), not amax / max")
+    if got == want / 2:
+        return "half too small: the scale is the power of two at or *above* amax * (1.0 / max)"
+    return clamp
+
+
 def check_scales(got, want, what):
     assert isinstance(got, torch.Tensor) and got.dtype == torch.float32, \
         f"{what}: scales must be a float32 tensor, got {getattr(got, 'dtype', type(got).__name__)}"
     assert tuple(got.shape) == tuple(want.shape), f"{what}: scales of shape {list(got.shape)}, expected {list(want.shape)}"
     assert not bool(got.isnan().any()), f"{what}: a scale is NaN (a row of zeros must get scale 1)"
     if not torch.equal(got, want):
-        close = torch.allclose(got, want, rtol=2e-7, atol=0)
-        hint = " (only in the last bit: compute amax * (1.0 / max), not amax / max)" if close else ""
-        raise AssertionError(f"{what}: scale {first_mismatch(got, want)}{hint}")
+        where = tuple(int(i) for i in (got != want).nonzero()[0])
+        raise AssertionError(f"{what}: scale {first_mismatch(got, want)}\n"
+                             f"{scale_hint(got[where].item(), want[where].item())}")
 
 
 def check_codes(got, want, what):
@@ -53,15 +72,63 @@ def check_codes(got, want, what):
 # -- quantize ------------------------------------------------------------------------------------
 @pytest.mark.task("quantize")
 def test_quantize_worked_example(ch09):
-    x = torch.tensor([[[1.0, -2.0, 0.5, 4.0]], [[0.0, 0.0, 0.0, 0.0]]])      # 2 tokens, 1 KV head
+    # 4 tokens, 1 KV head: amax 3, 127/32, 4 and a row of zeros
+    x = torch.tensor([[[1.0, -2.0, 0.5, 3.0]], [[1.0, -2.0, 0.5, 3.96875]], [[1.0, -2.0, 0.5, 4.0]], [[0.0] * 4]])
     codes, scales = ch09.quantize_kv(x, "int8")
-    scale = 4.0 * (1.0 / 127.0)
-    check_scales(scales, torch.tensor([[scale], [1.0]], dtype=torch.float32), "int8, amax 4 and a zero row")
-    check_codes(codes, torch.tensor([[[32, -64, 16, 127]], [[0, 0, 0, 0]]], dtype=torch.int8),
-                "int8: 1 / (4/127) = 31.75 -> 32, -63.5 -> -64, 15.875 -> 16, 127")
+    # 3/127 = 0.0236 -> 2**-5; 3.96875/127 is exactly 2**-5; 4/127 = 0.0315 -> 2**-4; zeros -> 1
+    check_scales(scales, torch.tensor([[2.0 ** -5], [2.0 ** -5], [2.0 ** -4], [1.0]]),
+                 "int8, rows of amax 3, 127/32, 4 and 0 (scales 2**-5, 2**-5, 2**-4, 1)")
+    check_codes(codes, torch.tensor([[[32, -64, 16, 96]], [[32, -64, 16, 127]], [[16, -32, 8, 64]], [[0] * 4]],
+                                    dtype=torch.int8),
+                "int8: x / scale, so 1 -> 32 at 2**-5 (amax 3 -> 96, 127/32 -> 127), 16 at 2**-4 (amax 4 -> 64)")
+    # fp8: amax 3, 7 (7/448 is exactly 2**-6) and a row of zeros
+    x = torch.tensor([[[1.0, -2.0, 0.5, 3.0]], [[1.0, -2.0, 0.5, 7.0]], [[0.0] * 4]])
     codes, scales = ch09.quantize_kv(x, "fp8")
-    check_codes(codes, torch.tensor([[[112.0, -224.0, 56.0, 448.0]], [[0.0] * 4]]).to(torch.float8_e4m3fn),
-                "fp8: amax 4 maps to 448; 1 -> 112, -2 -> -224, 0.5 -> 56")
+    # 3/448 = 0.0067 -> 2**-7; 7/448 is exactly 2**-6; zeros -> 1
+    check_scales(scales, torch.tensor([[2.0 ** -7], [2.0 ** -6], [1.0]]),
+                 "fp8, rows of amax 3, 7 and 0 (scales 2**-7, 2**-6, 1)")
+    check_codes(codes, torch.tensor([[[128.0, -256.0, 64.0, 384.0]], [[64.0, -128.0, 32.0, 448.0]],
+                                     [[0.0] * 4]]).to(torch.float8_e4m3fn),
+                "fp8: 1 -> 128 at scale 2**-7 (amax 3 -> 384), 64 at 2**-6 (amax 7 -> 448)")
+
+
+@pytest.mark.task("quantize")
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_scales_are_powers_of_two_within_the_formats_range(ch09, kv_cache_dtype):
+    """Every scale is the smallest power of two at or above amax * (1.0 / max), its exponent
+    clamped: a tiny row gets the smallest scale, a huge row the largest (and saturates)."""
+    qmax = FORMATS[kv_cache_dtype][1]
+    low, high = EXPONENTS[kv_cache_dtype]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(48, 1, 16, generator=gen) * torch.logspace(-3, 3, 48)[:, None, None]
+    x[0, 0], x[1, 0], x[2, 0] = 1e-8, -1e6, 0.0          # a tiny row, a huge row, a row of zeros
+    codes, scales = ch09.quantize_kv(x, kv_cache_dtype)
+    what = f"{kv_cache_dtype}, rows of amax 1e-8, 1e6, 0 and 1e-3 to 1e3"
+    if not (isinstance(scales, torch.Tensor) and tuple(scales.shape) == (48, 1)):
+        raise AssertionError(f"{what}: scales must be a tensor of shape [48, 1]")
+    mantissa, _ = torch.frexp(scales.float())
+    if not bool((mantissa == 0.5).all()):
+        raise AssertionError(f"{what}: scale {float(scales[mantissa != 0.5][0]):.6g} is not a power of two\n"
+                             "the scale is the smallest 2**e at or above amax * (1.0 / max)")
+    for row, amax, e in ((0, 1e-8, low), (1, 1e6, high)):
+        if float(scales[row, 0]) != 2.0 ** e:
+            raise AssertionError(f"{what}: the row of amax {amax:g} got scale {float(scales[row, 0]):.6g}, "
+                                 f"expected 2**{e}\nits ratio is {amax / qmax:.3g}, and the exponent is clamped "
+                                 f"to {low}..{high}")
+    if float(scales[2, 0]) != 1.0:
+        raise AssertionError(f"{what}: the row of zeros got scale {float(scales[2, 0])}, expected 1")
+    if float(codes[1, 0].float().abs().max()) != qmax:
+        raise AssertionError(f"{what}: the row of amax 1e6 must saturate: at the largest scale its codes are ±{qmax:g}")
+    check_scales(scales, reference_quantize_kv(x, kv_cache_dtype)[1], what)
+    check_codes(codes, reference_quantize_kv(x, kv_cache_dtype)[0], what)
+    if kv_cache_dtype == "int8":      # one float32 step above 127 * 2**-10: times the reciprocal it is 2**-10 exactly
+        amax = torch.nextafter(torch.tensor(127 * 2.0 ** -10), torch.tensor(1.0))
+        _, scales = ch09.quantize_kv(torch.stack([amax, -amax / 3])[None, None], "int8")
+        if float(scales) != 2.0 ** -10:
+            raise AssertionError(
+                f"int8: the row of amax {float(amax)!r} got scale {float(scales)!r}, expected 2**-10\n"
+                "amax * (1.0 / 127) is exactly 2**-10 in float32, and a power of two is its own scale "
+                "(amax / 127 rounds past it: compute amax * (1.0 / max))")
 
 
 @pytest.mark.task("quantize")
@@ -84,13 +151,16 @@ def test_quantize_matches_the_reference_bit_for_bit(ch09, kv_cache_dtype, shape,
 
 @pytest.mark.task("quantize")
 def test_out_of_range_values_saturate(ch09):
-    """Large and tiny values: scaled values stay within ±max, nothing becomes NaN."""
-    x = torch.tensor([[[3e4, -3e4, 1.0, 1e-30]], [[1e-38, -1e-38, 0.0, 5e-39]]])
+    """Large and tiny values: past max * 2**max_exponent (57,344 for fp8, 65,024 for int8) the
+    scaled values are clamped to ±max, nothing becomes NaN; tiny rows take the smallest scale."""
+    x = torch.tensor([[[1e5, -7e4, 1.0, 1e-30]], [[1e-38, -1e-38, 0.0, 5e-39]], [[3e4, -3e4, 1.0, 0.0]]])
     for name, (dtype, qmax) in FORMATS.items():
         codes, scales = ch09.quantize_kv(x, name)
         assert not bool(codes.float().isnan().any()), f"{name}: a code is NaN"
-        assert float(codes.float().abs().max()) <= qmax
-        check_codes(codes, reference_quantize_kv(x, name)[0], name)
+        assert float(codes.float().abs().max()) <= qmax, f"{name}: a code past ±{qmax:g}: clamp x / scale"
+        want_codes, want_scales = reference_quantize_kv(x, name)
+        check_scales(scales, want_scales, name)
+        check_codes(codes, want_codes, name)
 
 
 @pytest.mark.task("quantize")
@@ -182,22 +252,28 @@ def run_write(ch09, guard, kv_cache_dtype, num_kv_heads, head_dim, in_dtype, str
         codes, scale = reference_quantize_kv(x[keep], kv_cache_dtype)
         cache.view(torch.uint8).view(-1, num_kv_heads, head_dim)[slots.cpu()[keep]] = codes.view(torch.uint8)
         scales.view(-1, num_kv_heads)[slots.cpu()[keep]] = scale
-    for name, g, w in (("k_cache", got[0], want[0]), ("v_cache", got[1], want[1])):
+    for name, g, w, g_scale, w_scale in (("k_cache", got[0], want[0], got[2], want[2]),
+                                         ("v_cache", got[1], want[1], got[3], want[3])):
         same = g.view(torch.uint8) == w.view(torch.uint8)
         if not bool(same.all()):
             block, offset, head, d = (int(i) for i in (~same).nonzero()[0])
             slot = block * block_size + offset
             written = slot in slots.tolist()
+            got_scale, want_scale = g_scale[block, offset, head].item(), w_scale[block, offset, head].item()
+            scale_differs = written and got_scale != want_scale and got_scale == got_scale   # both written, not NaN
             raise AssertionError(
                 f"{name}[{block}, {offset}, {head}, {d}] (slot {slot}, {'written' if written else 'not written'}): "
                 f"got {g[block, offset, head, d].float().item()}, expected {w[block, offset, head, d].float().item()}"
-                + ("" if written else " (a slot no token maps to must keep what it held)"))
+                + ("" if written else " (a slot no token maps to must keep what it held)")
+                + (f"\nits row's scale: got {got_scale}, expected {want_scale}\n{scale_hint(got_scale, want_scale)}"
+                   if scale_differs else ""))
     for name, g, w in (("k_scale", got[2], want[2]), ("v_scale", got[3], want[3])):
         same = (g == w) | (g.isnan() & w.isnan())
         if not bool(same.all()):
             block, offset, head = (int(i) for i in (~same).nonzero()[0])
-            raise AssertionError(f"{name}[{block}, {offset}, {head}]: got {g[block, offset, head].item()}, "
-                                 f"expected {w[block, offset, head].item()}")
+            got_scale, want_scale = g[block, offset, head].item(), w[block, offset, head].item()
+            hint = "\n" + scale_hint(got_scale, want_scale) if got_scale == got_scale and want_scale == want_scale else ""
+            raise AssertionError(f"{name}[{block}, {offset}, {head}]: got {got_scale}, expected {want_scale}{hint}")
 
 
 @pytest.mark.task("write_kernel")
