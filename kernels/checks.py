@@ -354,10 +354,10 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
         if t.shape != k_cache.shape[:3]:
             raise ValueError(f"{name} must be a [num_blocks, block_size, num_kv_heads] = "
                              f"{list(k_cache.shape[:3])} tensor, got {list(t.shape)}")
+    check_same_device(k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
     if k_scale.stride() != v_scale.stride():
         raise ValueError(f"k_scale and v_scale must share one layout: strides {k_scale.stride()} and "
                          f"{v_scale.stride()}")
-    check_same_device(k_cache=k_cache, v_cache=v_cache, k_scale=k_scale, v_scale=v_scale)
     return True
 
 

@@ -88,7 +88,8 @@ def test_a_wrong_piece_changes_the_text(answers, reference):
         codes, scales = answers.quantize_kv(key, "fp8")
         keep = slot_mapping >= 0
         k_cache.view(torch.uint8).view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = codes[keep].view(torch.uint8)
-        k_scale.view(-1, k_scale.shape[-1])[slot_mapping[keep]] = scales[keep]
+        slots = slot_mapping[keep]
+        k_scale[slots // k_scale.shape[1], slots % k_scale.shape[1]] = scales[keep]
 
     llm = LLM(**ENGINE)
     my_quantization_user(stub, stub, keys_only)(llm, ["write_kernel"])

@@ -25,6 +25,7 @@ from kvlab.kernels.flash_attention import paged_prefill
 from kvlab.models import LlamaForCausalLM, ModelConfig, save_model
 from kvlab.models import backends as backends_module
 from kvlab.quantization import dequantize_kv, kv_cache_format, quantize_kv
+from kvlab.paging.kv_cache import per_page_and_head
 from kvlab.reference import paged_attention_ref
 
 pytestmark = pytest.mark.kv_quant
@@ -38,9 +39,12 @@ SCALE = profile.pick(cpu=1, gpu=8)              # lengths grow by this on a GPU
 flash_module = importlib.import_module("kvlab.kernels.flash_attention")
 
 
-def quantized_step(seed, seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, kv_cache_dtype):
+def quantized_step(seed, seqs, block_size, num_heads, num_kv_heads, head_dim, dtype, kv_cache_dtype,
+                   engine_layout=True):
     """A step over a quantised paged cache: sequences ``seqs`` = [(prefix_len, query_len)], their
     pages shuffled over the pool. Slots no sequence owns hold NaN codes (int8: 127) and NaN scales.
+    The scales are laid out as the engine keeps them, per page and KV head, unless
+    ``engine_layout`` is False (a contiguous tensor, which the kernels take too).
 
     Returns ``(args, k_new, v_new)``: ``args`` the keyword arguments of paged_prefill (the scales
     included), ``k_new``/``v_new`` the new tokens' K/V before quantisation, packed like q."""
@@ -71,6 +75,8 @@ def quantized_step(seed, seqs, block_size, num_heads, num_kv_heads, head_dim, dt
     q = torch.randn(sum(n for _, n in seqs), num_heads, head_dim, generator=gen).to(dtype)
     seq_lens = torch.tensor([p + n for p, n in seqs], dtype=torch.int32)
     query_lens = torch.tensor([n for _, n in seqs], dtype=torch.int32)
+    if engine_layout:
+        k_scale, v_scale = per_page_and_head(k_scale), per_page_and_head(v_scale)
     args = dict(q=q, k_cache=k_cache, v_cache=v_cache, block_tables=tables, seq_lens=seq_lens,
                 query_lens=query_lens, k_scale=k_scale, v_scale=v_scale)
     return ({k: t.to(DEVICE) for k, t in args.items()}, torch.cat(k_new).to(DEVICE), torch.cat(v_new).to(DEVICE))
@@ -103,7 +109,7 @@ def spoil_new_slots(args):
         for name in ("k_cache", "v_cache"):
             args[name].view(torch.uint8).view(-1, *args[name].shape[2:])[slots] = 0x7F
         for name in ("k_scale", "v_scale"):
-            args[name].view(-1, args[name].shape[2])[slots] = float("nan")
+            args[name][slots // block_size, slots % block_size] = float("nan")     # any layout
 
 
 def assert_close(got, want, dtype):
@@ -146,9 +152,11 @@ def test_paged_prefill_over_a_quantised_cache(kv_cache_dtype, dtype, block_size,
 
 @pytest.mark.parametrize("block_m,block_n", profile.pick(cpu=[(16, 32), (32, 16)], gpu=[(64, 64), (128, 128)]))
 def test_tiles_larger_and_smaller_than_a_page(block_m, block_n):
-    """Pages of 8 keys: a tile of keys holds several pages, or half of one; scales follow their keys."""
+    """Pages of 8 keys: a tile of keys holds several pages, or half of one; scales follow their keys
+    (here from a contiguous [block, slot, KV head] tensor: the kernel follows the strides)."""
     args, _, _ = quantized_step(block_m + block_n, [(13 * SCALE, 21 * SCALE), (40 * SCALE, 3)], 8, 8, 2,
-                                HEAD_DIMS[-1], torch.float32, "fp8")
+                                HEAD_DIMS[-1], torch.float32, "fp8", engine_layout=False)
+    assert args["k_scale"].is_contiguous()
     out = torch.full_like(args["q"], float("nan"))
     paged_prefill(**args, out=out, sm_scale=0.3, block_m=block_m, block_n=block_n)
     assert_close(out, reference(args, sm_scale=0.3), torch.float32)

@@ -80,6 +80,20 @@ def test_paged_prefill_ws_matches_float64_attention(kv_cache_dtype, dtype, head_
 
 
 @needs_hopper
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_paged_prefill_ws_takes_contiguous_scales_too(head_dim):
+    """The cases above keep the scales as the engine does, per page and KV head; a contiguous
+    [block, slot, KV head] tensor is read through its strides."""
+    seed, seqs, num_heads, num_kv_heads, block_size = CASES[0]
+    args, _, _ = quantized_step(seed, seqs, block_size, num_heads, num_kv_heads, head_dim, torch.bfloat16, "fp8",
+                                engine_layout=False)
+    assert args["k_scale"].is_contiguous()
+    out = torch.full_like(args["q"], float("nan"))
+    paged_prefill(**args, out=out, warp_specialized=True)
+    assert_close(out, reference(args), torch.bfloat16)
+
+
+@needs_hopper
 def test_long_chunks_over_a_quantised_cache_take_it(monkeypatch):
     args, _, _ = quantized_step(4, [(WS_MIN_SEQ_LEN, WS_MIN_QUERY_LEN), (50, 30)], 16, 8, 4, 128, torch.bfloat16,
                                 "fp8")

@@ -15,6 +15,7 @@ from kvlab.accounting import kv_bytes_per_token, kv_cache_bytes_per_token, seque
 from kvlab.kernels import paged_decode
 from kvlab.kernels.write_kv_quant import write_kv_quantized
 from kvlab.paging import BlockPool, batch_slot_mapping
+from kvlab.paging.kv_cache import per_page_and_head
 from kvlab.quantization import (KV_CACHE_DTYPES, allocate_quantized_kv_cache, dequantize_kv, kv_cache_format,
                                 outlier_kv, quantization_error, quantize_kv)
 from kvlab.reference import paged_attention_ref
@@ -280,9 +281,12 @@ def test_plain_write_kv_refuses_a_quantised_cache():
 
 
 # -- paged_decode over a quantised cache ---------------------------------------------------------
-def quantized_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype, seed=0):
+def quantized_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, kv_cache_dtype, seed=0,
+                    engine_layout=True):
     """A quantised paged cache, its pages scattered; q one token per sequence. (quantize_kv fills it:
-    write_kv_quantized matches it bit for bit, and the interpreter runs it one token at a time.)"""
+    write_kv_quantized matches it bit for bit, and the interpreter runs it one token at a time.)
+    The scales are laid out as the engine keeps them, per page and KV head, unless
+    ``engine_layout`` is False (a contiguous tensor, which the kernels take too)."""
     gen = torch.Generator().manual_seed(seed)
     num_blocks, tables = scattered_tables(lens, block_size, 2, gen)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
@@ -303,6 +307,8 @@ def quantized_batch(lens, num_heads, num_kv_heads, head_dim, block_size, dtype, 
     for t in caches:
         flat = t.view(torch.uint8).view(num_blocks * block_size, -1) if t.element_size() == 1 else t.flatten(0, 1)
         flat[unused] = 0x7F if t.dtype == torch.float8_e4m3fn else (float("nan") if t.is_floating_point() else 127)
+    if engine_layout:
+        caches = (*caches[:2], *(per_page_and_head(t) for t in caches[2:]))
     q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     return q, caches, tables.to(DEVICE), torch.tensor(lens, dtype=torch.int32, device=DEVICE)
 
@@ -347,9 +353,11 @@ def test_paged_decode_over_a_quantised_cache_pads_the_group(kv_cache_dtype, num_
 
 
 def test_paged_decode_block_size_not_a_power_of_two():
-    """Pages of 5 tokens: a tile crosses page boundaries, each token's scale read from its own page."""
+    """Pages of 5 tokens: a tile crosses page boundaries, each token's scale read from its own page
+    (here from a contiguous [block, slot, KV head] tensor: the kernel follows the strides)."""
     q, (k_cache, v_cache, k_scale, v_scale), tables, seq_lens = quantized_batch(
-        [23, 4, 11], 8, 1, 32, 5, torch.float32, "int8", seed=3)
+        [23, 4, 11], 8, 1, 32, 5, torch.float32, "int8", seed=3, engine_layout=False)
+    assert k_scale.is_contiguous()
     ref = paged_attention_ref(q, dequantize_kv(k_cache, k_scale), dequantize_kv(v_cache, v_scale), tables,
                               [23, 4, 11], dtype=torch.float64)
     out = paged_decode(q, k_cache, v_cache, tables, seq_lens, k_scale=k_scale, v_scale=v_scale)
