@@ -11,6 +11,7 @@ import torch
 
 from helpers import closing_loop_fixtures, one_thread, served_tokens  # noqa: F401  (one_thread: a fixture)
 from kvlab import LLM, SamplingParams
+from kvlab.paging.kv_cache import block_and_offset
 from kvlab.scaffold.ch09 import PIECES, my_quantization_user
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,8 +89,7 @@ def test_a_wrong_piece_changes_the_text(answers, reference):
         codes, scales = answers.quantize_kv(key, "fp8")
         keep = slot_mapping >= 0
         k_cache.view(torch.uint8).view(-1, *k_cache.shape[2:])[slot_mapping[keep]] = codes[keep].view(torch.uint8)
-        slots = slot_mapping[keep]
-        k_scale[slots // k_scale.shape[1], slots % k_scale.shape[1]] = scales[keep]
+        k_scale[block_and_offset(slot_mapping[keep], k_scale.shape[1])] = scales[keep]
 
     llm = LLM(**ENGINE)
     my_quantization_user(stub, stub, keys_only)(llm, ["write_kernel"])

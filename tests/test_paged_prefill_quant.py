@@ -25,7 +25,7 @@ from kvlab.kernels.flash_attention import paged_prefill
 from kvlab.models import LlamaForCausalLM, ModelConfig, save_model
 from kvlab.models import backends as backends_module
 from kvlab.quantization import dequantize_kv, kv_cache_format, quantize_kv
-from kvlab.paging.kv_cache import per_page_and_head
+from kvlab.paging.kv_cache import block_and_offset, per_page_and_head
 from kvlab.reference import paged_attention_ref
 
 pytestmark = pytest.mark.kv_quant
@@ -109,7 +109,7 @@ def spoil_new_slots(args):
         for name in ("k_cache", "v_cache"):
             args[name].view(torch.uint8).view(-1, *args[name].shape[2:])[slots] = 0x7F
         for name in ("k_scale", "v_scale"):
-            args[name][slots // block_size, slots % block_size] = float("nan")     # any layout
+            args[name][block_and_offset(slots, block_size)] = float("nan")
 
 
 def assert_close(got, want, dtype):

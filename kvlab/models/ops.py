@@ -119,6 +119,7 @@ def write_kv_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -
 
         kernel(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, validate=False)
         return
+    from kvlab.paging.kv_cache import block_and_offset
     from kvlab.quantization import quantize_kv
 
     keep = slot_mapping >= 0
@@ -126,7 +127,7 @@ def write_kv_quantized(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping) -
     for x, cache, scales in ((k[keep], k_cache, k_scale), (v[keep], v_cache, v_scale)):
         values, scale = quantize_kv(x, cache.dtype)
         cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, values.view(torch.uint8))
-        scales[slots // scales.shape[1], slots % scales.shape[1]] = scale    # (block, offset): any layout
+        scales[block_and_offset(slots, scales.shape[1])] = scale
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -119,21 +119,21 @@ def allocate_kv_cache(
                        v=torch.empty(shape, dtype=dtype, device=device))
     return KVCache(k=torch.empty(shape, dtype=fmt.dtype, device=device),
                    v=torch.empty(shape, dtype=fmt.dtype, device=device),
-                   k_scale=kv_scales(shape[:-1], device), v_scale=kv_scales(shape[:-1], device))
-
-
-def kv_scales(shape, device) -> torch.Tensor:
-    """Scales of ones, ``shape`` = ``[..., num_blocks, block_size, num_kv_heads]``, stored per page
-    and head (``[..., num_blocks, num_kv_heads, block_size]`` in memory)."""
-    *lead, num_blocks, block_size, num_kv_heads = shape
-    return torch.ones(*lead, num_blocks, num_kv_heads, block_size, dtype=torch.float32,
-                      device=device).transpose(-1, -2)
+                   k_scale=per_page_and_head(torch.ones(shape[:-1], dtype=torch.float32, device=device)),
+                   v_scale=per_page_and_head(torch.ones(shape[:-1], dtype=torch.float32, device=device)))
 
 
 def per_page_and_head(scales: torch.Tensor) -> torch.Tensor:
-    """A copy of ``scales [..., num_blocks, block_size, num_kv_heads]`` laid out as the engine
-    keeps them (see :func:`kv_scales`): what a benchmark of the engine's kernels should read."""
+    """A copy of ``scales [..., num_blocks, block_size, num_kv_heads]`` laid out as the engine keeps
+    them: ``[..., num_blocks, num_kv_heads, block_size]`` in memory, seen with the last two
+    dimensions swapped (a page's scales of one head together)."""
     return scales.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def block_and_offset(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where slots live in a ``[num_blocks, block_size, ...]`` tensor, in any layout:
+    ``scales[block_and_offset(slots, block_size)] = ...``."""
+    return slots // block_size, slots % block_size
 
 
 def _as_stored(scales: torch.Tensor) -> torch.Tensor:

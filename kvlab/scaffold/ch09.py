@@ -7,6 +7,7 @@ import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there
 import torch
 
 from kvlab.kernels.write_kv_quant import launch_write_kv_quantized
+from kvlab.paging.kv_cache import block_and_offset
 from kvlab.quantization import QUANTIZED_DTYPES
 from kvlab.scaffold import check_pieces, is_written
 # The engine's cost record (kvlab/engine/offload.py): what preempting a sequence costs, either way.
@@ -53,7 +54,7 @@ def scatter_with(quantize_kv):
                                  f"{list(codes.shape)} and scales {list(scale.shape)}; the cache wants codes "
                                  f"{cache.dtype} {list(x.shape)} and scales {list(x.shape[:-1])}")
             cache.view(torch.uint8).view(-1, *cache.shape[2:]).index_copy_(0, slots, codes.view(torch.uint8))
-            scales[slots // scales.shape[1], slots % scales.shape[1]] = scale.float()   # (block, offset)
+            scales[block_and_offset(slots, scales.shape[1])] = scale.float()
 
     return write
 
@@ -62,7 +63,7 @@ def forget_slots(k_cache, v_cache, k_scale, v_scale, slots) -> None:
     """Wipe ``slots`` of one layer: scales NaN, fp8 values NaN (byte 0x7F), so that a row nobody
     writes again poisons every attention that reads it."""
     for cache, scales in ((k_cache, k_scale), (v_cache, v_scale)):
-        scales[slots // scales.shape[1], slots % scales.shape[1]] = float("nan")
+        scales[block_and_offset(slots, scales.shape[1])] = float("nan")
         if cache.dtype == torch.float8_e4m3fn:
             cache.view(torch.uint8).view(-1, *cache.shape[2:])[slots] = 0x7F
 
