@@ -40,8 +40,8 @@ a thread and tile fewer in the softmax, 1-3% off a long chunk's time (3% at head
 
 At head_dim 64 a tile's products take half the time and its softmax the same, so the attending
 loop leaves the dequantising warps less room: the kernel took 1.22-1.25x bf16's time there. Two
-changes of the cache's format brought it to 1.08-1.11x (and the long chunks at head_dim 128 to
-0.95-1.00x; RESULTS.md, 2026-12-04, ninth session). The powers of two took the scales out of the
+changes of the cache's format brought it to 1.08x (and the long chunks at head_dim 128 to
+0.92-1.00x; RESULTS.md, 2026-12-04, ninth and tenth sessions). The powers of two took the scales out of the
 attending loop (1.12x). And the scales' layout: a program reads the 16 scales of a page for one
 head, which a ``[block, slot, KV head]`` tensor spreads ``4 * num_kv_heads`` bytes apart, a
 32-byte read each; copying them alone, with no code converted, cost 0.10 (eighth session). The

@@ -98,8 +98,8 @@ def tile_config(head_dim: int, max_len_q: int | None = None, max_len_k: int | No
 
 # Prefill/extend over a quantised cache on an H200: kernels/paged_prefill_ws.py, whose own warps
 # dequantise while two warpgroups multiply, takes fp8 extends over a 3K-32K prefix from 1.8-1.9x to
-# 1.02-1.07x bf16's time (int8 to 1.08-1.15x), 8 chunks of 256 over 768 cached tokens from 1.8x to
-# 1.10x, head_dim 64 from 1.65x to 1.23x. Its programs take 128 queries and read every key the
+# 0.92-0.99x bf16's time (int8 to 0.99-1.05x), 8 chunks of 256 over 768 cached tokens from 1.8x to
+# 1.00x, head_dim 64 from 1.65x to 1.08x (power-of-two scales kept per page and head). Its programs take 128 queries and read every key the
 # last of them sees: steps of a few queries a sequence (32 or fewer: 1.2-1.7x against Triton's
 # 0.9-1.3x) or of 256 keys or fewer (1.2-1.45x against 1.07-1.2x) stay on the Triton kernel
 # (benchmarks/RESULTS.md, 2026-12-04; the crossover was measured before the kernel's shared-memory
