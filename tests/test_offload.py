@@ -64,6 +64,17 @@ def test_host_blocks_come_in_runs_and_merge_back():
         host.free([3])
 
 
+@pytest.mark.parametrize("bad, message", [([0, 1, 12], "not allocated"), ([2, 0, 2], "named twice"),
+                                          ([1, 5], "not allocated")])
+def test_a_refused_free_gives_nothing_back(bad, message):
+    host = HostBlockAllocator(12)
+    host.allocate(4)
+    runs = dict(host.runs)
+    with pytest.raises(ValueError, match=message):
+        host.free(bad)
+    assert host.runs == runs and host.num_free_blocks == 8
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.booleans(), st.integers(1, 6)), max_size=40))
 def test_host_blocks_never_leak(ops):

@@ -143,20 +143,21 @@ class HostBlockAllocator:
         raise ValueError(f"no run of {count} free host blocks (largest: {self.largest_run()})")
 
     def free(self, blocks: list[int]) -> None:
-        """Give back blocks (a run or part of one); neighbouring free runs merge."""
-        for block in sorted(blocks):
+        """Give back blocks (a run or part of one); neighbouring free runs merge. A block that
+        is not allocated, or named twice, is refused, and then nothing is given back."""
+        blocks = sorted(blocks)
+        for i, block in enumerate(blocks):
+            if i and blocks[i - 1] == block:
+                raise ValueError(f"host block {block} is named twice")
             if not 0 <= block < self.num_blocks or any(s <= block < s + n for s, n in self.runs.items()):
                 raise ValueError(f"host block {block} is not allocated")
-            self.runs[block] = 1
-        starts = sorted(self.runs)
-        merged: dict[int, int] = {}
-        for s in starts:
-            last = max(merged, default=None)
-            if last is not None and last + merged[last] == s:
-                merged[last] += self.runs[s]
+        runs = {**self.runs, **dict.fromkeys(blocks, 1)}
+        self.runs, last = {}, None
+        for start in sorted(runs):
+            if last is not None and last + self.runs[last] == start:
+                self.runs[last] += runs[start]
             else:
-                merged[s] = self.runs[s]
-        self.runs = merged
+                self.runs[start], last = runs[start], start
 
 
 class HostPrefixCache:
