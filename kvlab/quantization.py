@@ -44,7 +44,10 @@ per ``head_dim`` values: 3% of an fp8 cache at ``head_dim`` 128.
 
 The cache: values ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the stored dtype and
 scales ``[num_blocks, block_size, num_kv_heads]`` float32 beside them, for K and for V
-(:func:`allocate_quantized_kv_cache`). ``kvlab.kernels.write_kv_quantized`` quantises as it
+(:func:`allocate_quantized_kv_cache`, one layer, slot-major). The engine's ``KVCache`` keeps the
+scales with that shape but per page and KV head in memory
+(:func:`kvlab.paging.kv_cache.per_page_and_head`): the kernels read them through their strides,
+so they take either layout. ``kvlab.kernels.write_kv_quantized`` quantises as it
 scatters; ``paged_decode`` and ``paged_prefill`` read the codes and scales and dequantise in
 registers (a key's scale on its column of scores, a value's on its column of probabilities).
 """
@@ -189,8 +192,8 @@ def allocate_quantized_kv_cache(num_blocks: int, block_size: int, num_kv_heads: 
     """``(k_cache, v_cache, k_scale, v_scale)`` of one layer, zeroed.
 
     Caches ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the format's dtype; scales
-    ``[num_blocks, block_size, num_kv_heads]`` float32: a slot's scales sit at the same
-    (block, offset) as its values, so one slot index finds both.
+    ``[num_blocks, block_size, num_kv_heads]`` float32, contiguous (slot-major): a slot's scales
+    sit at the same (block, offset) as its values, so one slot index finds both.
     """
     fmt = _quantized_format(kv_cache_dtype)
     for name, n in (("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
