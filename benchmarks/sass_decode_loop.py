@@ -2,11 +2,13 @@
 
     python benchmarks/sass_decode_loop.py [--kv-cache-dtype fp8|int8|bf16] [--block-n N]
                                           [--num-warps N] [--num-stages N] [--maxnreg N] [--ops 12]
+                                          [--scale-layout engine|contiguous]
 
 Compiles the launcher's decode kernel for the format (``decode_split_kernel`` for bf16,
 ``decode_streams_kernel`` for fp8 and int8, one stream of keys a warp) for an H200 (sm_90) with
 the Triton installed here (its wheel carries ``ptxas`` and ``nvdisasm``), at the benchmarks'
-shape (32 query / 8 KV heads, head_dim 128, pages of 16), and counts the machine instructions
+shape (32 query / 8 KV heads, head_dim 128, pages of 16; a quantised cache's scales laid out as
+the engine keeps them, per page and KV head, or contiguous per slot), and counts the machine instructions
 (SASS) of its loop over tiles: what one warp executes per tile of keys, by opcode, per key over
 all of a program's warps (to compare launches), and how many programs an SM can hold with the
 registers and shared memory the kernel takes (what hides a loop's latency is warps in flight).
@@ -64,15 +66,26 @@ def jit_functions(workdir: Path, *files: str):
     return module
 
 
+# The scales' strides (block, slot, KV head) at 8 KV heads and pages of 16, as the launcher passes
+# them: the engine's layout keeps a page's scales of one head together, a contiguous tensor a slot's.
+SCALE_STRIDES = {"engine": (8 * 16, 1, 16), "contiguous": (16 * 8, 8, 1)}
+
+
 def compile_decode(workdir: Path, fmt: str, block_n: int, num_warps: int, num_stages: int,
-                   maxnreg: int | None = None):
+                   maxnreg: int | None = None, scale_layout: str = "engine"):
     """The launcher's kernel for ``fmt``: ``decode_split_kernel`` (bf16) or ``decode_streams_kernel``
     (fp8, int8: one stream a warp)."""
     kernels = jit_functions(workdir, "dequant.py", "paged_decode.py")
     quant = fmt != "bf16"
     sig = {"q_ptr": "*bf16", "k_cache_ptr": "*" + CODES[fmt], "v_cache_ptr": "*" + CODES[fmt]}
+    strides = {}
     if quant:
         sig.update(k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+        # Triton specialises an int argument equal to 1 into a constant, and tells the compiler
+        # which are multiples of 16: so the two layouts compile to different address arithmetic
+        strides = dict(zip(("scale_block_stride", "scale_slot_stride", "scale_head_stride"),
+                           SCALE_STRIDES[scale_layout]))
+        sig.update({name: "constexpr" if value == 1 else "i32" for name, value in strides.items()})
     sig.update(block_tables_ptr="*i32", seq_lens_ptr="*i32", out_ptr="*fp32", lse_ptr="*fp32", sm_scale="fp32",
                stride_qt="i32", stride_qh="i32", stride_table="i32", num_kv_heads="i32", num_splits="i32")
     # the launcher pads the GQA group to the MMA tile's narrowest side: 8 columns (streams), 16 rows
@@ -84,9 +97,11 @@ def compile_decode(workdir: Path, fmt: str, block_n: int, num_warps: int, num_st
     else:
         kernel = kernels.decode_split_kernel
     sig.update({name: "constexpr" for name in constexprs})
+    constexprs.update({name: 1 for name, value in strides.items() if value == 1})
     # What the launcher's specialisation tells the compiler: pointers and strides are multiples of 16.
     names = list(sig)
-    aligned = [n for n in names if sig[n].startswith("*")] + ["stride_qt", "stride_qh", "stride_table"]
+    aligned = [n for n in names if sig[n].startswith("*")] + ["stride_qt", "stride_qh", "stride_table"] \
+        + [n for n, value in strides.items() if value != 1 and value % 16 == 0]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     source = ASTSource(kernel, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -143,19 +158,23 @@ def main() -> None:
     parser.add_argument("--num-stages", type=int, default=None, help="default: the launcher's (3 quantised, 2 bf16)")
     parser.add_argument("--maxnreg", type=int, default=None, help="cap the registers a thread (ptxas spills the rest)")
     parser.add_argument("--ops", type=int, default=12, help="how many opcodes to list")
+    parser.add_argument("--scale-layout", choices=list(SCALE_STRIDES), default="engine",
+                        help="a quantised cache's scales: per page and KV head (the engine's) or per slot")
     args = parser.parse_args()
     warps = args.num_warps or (8 if args.kv_cache_dtype == "bf16" else 2)
     block_n = args.block_n or (128 if args.kv_cache_dtype == "bf16" else 32 * warps)
     stages = args.num_stages or (2 if args.kv_cache_dtype == "bf16" else 3)
     with tempfile.TemporaryDirectory() as tmp:
-        compiled = compile_decode(Path(tmp), args.kv_cache_dtype, block_n, warps, stages, args.maxnreg)
+        compiled = compile_decode(Path(tmp), args.kv_cache_dtype, block_n, warps, stages, args.maxnreg,
+                                  args.scale_layout)
         ops, registers = loop_opcodes(compiled.asm["cubin"], Path(tmp))
     counts = collections.Counter(ops)
     shared = compiled.metadata.shared
     by_registers, by_shared = programs_per_sm(int(registers), shared, warps)
     programs = min(by_registers, by_shared)
     print(f"Triton {triton.__version__}, sm_90: {compiled.name}, {args.kv_cache_dtype}, block_n {block_n}, "
-          f"{warps} warps, {stages} stages" + (f", maxnreg {args.maxnreg}" if args.maxnreg else ""))
+          f"{warps} warps, {stages} stages"
+          + (f", {args.scale_layout} scales" if args.kv_cache_dtype != "bf16" else "") + (f", maxnreg {args.maxnreg}" if args.maxnreg else ""))
     print(f"loop: {len(ops)} instructions per warp and tile ({len(ops) * warps / block_n:.1f} per key, all "
           f"warps); {registers} registers a thread, {shared} bytes of shared memory")
     print(f"an SM holds {programs} programs ({by_registers} by registers, {by_shared} by shared memory): "
