@@ -36,6 +36,27 @@ def test_the_tier_is_lru_and_bounded():
     assert sorted(tier.free) == [12] and tier.num_saved == 5 and tier.num_restored == 1
 
 
+def test_refused_takes_and_restores_change_nothing():
+    tier = HostPrefixCache([6, 7])
+    tier.save(3, b"a")
+    tier.save(4, b"b")
+    for bad in ([b"b", b"zz"], [b"a", b"a"]):
+        try:
+            tier.take(bad)
+        except ValueError as e:
+            assert "block_hashes" in str(e)
+        else:
+            raise AssertionError(f"take({bad}) accepted")
+        assert dict(tier.entries) == {b"a": 6, b"b": 7} and tier.reading == []
+    try:
+        tier.restore(tier.take([b"a"]), [0, 1])
+    except ValueError as e:
+        assert "pair up" in str(e)
+    else:
+        raise AssertionError("restore with unequal lists accepted")
+    assert tier.take_transfers()[1] == [] and tier.num_restored == 0
+
+
 def test_a_pool_without_caching_takes_no_tier():
     try:
         BlockPool(4, 4).attach_host_tier(HostPrefixCache([0]))

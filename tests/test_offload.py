@@ -65,12 +65,12 @@ def test_host_blocks_come_in_runs_and_merge_back():
 
 
 @pytest.mark.parametrize("bad, message", [([0, 1, 12], "not allocated"), ([2, 0, 2], "named twice"),
-                                          ([1, 5], "not allocated")])
+                                          ([1, 5], "not allocated"), ([0.5], "host block"), (["0"], "host block")])
 def test_a_refused_free_gives_nothing_back(bad, message):
     host = HostBlockAllocator(12)
     host.allocate(4)
     runs = dict(host.runs)
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         host.free(bad)
     assert host.runs == runs and host.num_free_blocks == 8
 
@@ -119,6 +119,41 @@ def test_a_transfer_needs_one_host_run():
     cache = allocate_kv_cache(1, 4, 4, 1, 8, dtype=torch.float32, device=kvlab.profile.DEVICE)
     with pytest.raises(ValueError, match="consecutive run"):
         HostKVCache(cache, 4).swap_out([0, 1], [0, 2])
+
+
+@pytest.mark.parametrize("direction", ["out", "in"])
+@pytest.mark.parametrize("gpu_blocks, host_blocks, error, message", [
+    ([0, 4], [0, 1], ValueError, "out of range"),          # the cache has 4 blocks
+    ([-1], [0], ValueError, "gpu block"),
+    ([1], [0, 1], ValueError, "pair up"),
+    ([1, 2], [2, 3, 4], ValueError, "pair up"),
+    ([1], [7], ValueError, "out of range"),                # the host has 4 blocks
+    ([1, 2], [-2, -1], ValueError, "host block"),
+    ([2.7], [0], TypeError, "gpu block"),
+])
+def test_a_refused_transfer_copies_nothing(direction, gpu_blocks, host_blocks, error, message):
+    gen = torch.Generator().manual_seed(1)
+    cache = allocate_kv_cache(2, 4, 4, 1, 8, dtype=torch.float32, device=kvlab.profile.DEVICE)
+    for t in cache.block_tensors():
+        t.copy_(torch.randn(t.shape, generator=gen))
+    host = HostKVCache(cache, 4)
+    host.storage.fill_(7)
+    before = [t.clone() for t in cache.block_tensors()] + [host.storage.clone()]
+    with pytest.raises(error, match=message):
+        if direction == "out":
+            host.swap_out(gpu_blocks, host_blocks)
+        else:
+            host.swap_in(host_blocks, gpu_blocks)
+    for t, old in zip(list(cache.block_tensors()) + [host.storage], before):
+        assert torch.equal(t, old)
+
+
+def test_a_swap_in_writes_each_device_block_once():
+    cache = allocate_kv_cache(1, 4, 4, 1, 8, dtype=torch.float32, device=kvlab.profile.DEVICE)
+    host = HostKVCache(cache, 4)
+    host.swap_out([1, 1], [0, 1])                           # one block, kept twice: allowed
+    with pytest.raises(ValueError, match="named twice"):
+        host.swap_in([0, 1], [2, 2])
 
 
 # -- the engine ------------------------------------------------------------------------------------

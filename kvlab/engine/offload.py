@@ -145,7 +145,7 @@ class HostBlockAllocator:
     def free(self, blocks: list[int]) -> None:
         """Give back blocks (a run or part of one); neighbouring free runs merge. A block that
         is not allocated, or named twice, is refused, and then nothing is given back."""
-        blocks = sorted(blocks)
+        blocks = sorted(check_count("host block", b) for b in blocks)
         for i, block in enumerate(blocks):
             if i and blocks[i - 1] == block:
                 raise ValueError(f"host block {block} is named twice")
@@ -212,12 +212,20 @@ class HostPrefixCache:
         """The host blocks of ``block_hashes``, to be copied back to the device: the entries
         leave the tier (the device cache holds them now); the blocks stay reserved until the
         next step, when the copies have read them."""
+        block_hashes = list(block_hashes)
+        missing = next((h for h in block_hashes if h not in self.entries), None)
+        if missing is not None or len(set(block_hashes)) != len(block_hashes):
+            raise ValueError(f"block_hashes: {'a hash not in the tier' if missing is not None else 'a hash named twice'}")
         host_blocks = [self.entries.pop(h) for h in block_hashes]
         self.reading += host_blocks
         return host_blocks
 
     def restore(self, host_blocks, device_blocks) -> None:
         """Record the copies of ``host_blocks`` (from :meth:`take`) into ``device_blocks``."""
+        host_blocks, device_blocks = list(host_blocks), list(device_blocks)
+        if len(host_blocks) != len(device_blocks):
+            raise ValueError(f"host_blocks and device_blocks must pair up, got {len(host_blocks)} and "
+                             f"{len(device_blocks)} blocks")
         self.loads += zip(host_blocks, device_blocks)
         self.num_restored += len(host_blocks)
 
@@ -266,9 +274,9 @@ class HostKVCache:
     def swap_out(self, gpu_blocks: list[int], host_blocks: list[int]) -> None:
         """Copy device blocks to the host run ``host_blocks``. On a GPU the caller's stream
         waits only until the blocks are gathered; the host copy finishes on the side stream."""
+        start = self._check_transfer(gpu_blocks, host_blocks)
         if not gpu_blocks:
             return
-        start = _run_start(host_blocks)
         with _on_side_stream(self.stream) as current:         # what is allocated here belongs to the side stream
             ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=self.kv_cache.k.device)
             staging = self._gather(ids)
@@ -278,9 +286,9 @@ class HostKVCache:
 
     def swap_in(self, host_blocks: list[int], gpu_blocks: list[int]) -> None:
         """Copy the host run ``host_blocks`` into device blocks, before the caller's next kernel."""
+        start = self._check_transfer(gpu_blocks, host_blocks, distinct=True)
         if not gpu_blocks:
             return
-        start = _run_start(host_blocks)
         device = self.kv_cache.k.device
         with _on_side_stream(self.stream) as current:
             ids = torch.tensor(gpu_blocks, dtype=torch.int64, device=device)
@@ -288,6 +296,29 @@ class HostKVCache:
             self._scatter(staging.view(self.unit), ids)
             if current is not None:
                 current.wait_stream(self.stream)
+
+    def _check_transfer(self, gpu_blocks, host_blocks, distinct: bool = False) -> int:
+        """The first block of the host run, once both lists are checked, before anything is copied:
+        they pair up, device blocks are in range (and ``distinct``, when written), host blocks one
+        run in range."""
+        if len(gpu_blocks) != len(host_blocks):
+            raise ValueError(f"gpu_blocks and host_blocks must pair up, got {len(gpu_blocks)} and "
+                             f"{len(host_blocks)} blocks")
+        num_device = self.parts[0].shape[1]
+        for block in gpu_blocks:
+            if check_count("gpu block", block) >= num_device:
+                raise ValueError(f"gpu block {block} is out of range: the cache has {num_device} blocks")
+        if distinct and len(set(gpu_blocks)) != len(gpu_blocks):
+            raise ValueError("gpu_blocks: a block is named twice")
+        if not host_blocks:
+            return 0
+        start = check_count("host block", host_blocks[0])
+        if list(host_blocks) != list(range(start, start + len(host_blocks))):
+            raise ValueError(f"host blocks must be one consecutive run, got {list(host_blocks)[:8]}...")
+        if start + len(host_blocks) > self.storage.shape[0]:
+            raise ValueError(f"host blocks {start}..{start + len(host_blocks) - 1} are out of range: the host "
+                             f"cache has {self.storage.shape[0]} blocks")
+        return start
 
     def _gather(self, ids: torch.Tensor) -> torch.Tensor:
         """The blocks ``ids`` of every layer, block-major, in one staging buffer."""
@@ -318,10 +349,3 @@ def _on_side_stream(stream):
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         yield current
-
-
-def _run_start(host_blocks: list[int]) -> int:
-    start = host_blocks[0]
-    if list(host_blocks) != list(range(start, start + len(host_blocks))):
-        raise ValueError(f"host blocks must be one consecutive run, got {host_blocks[:8]}...")
-    return start
