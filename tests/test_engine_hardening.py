@@ -373,3 +373,66 @@ def test_the_plug_in_points(model):
     assert calls == {"pool": 1, "sampler": GREEDY.max_tokens, "backend": GREEDY.max_tokens * model.config.num_layers}
     with pytest.raises(ValueError, match="blocks"):
         llm.use_pool(BlockPool(3, BLOCK))
+
+
+@pytest.mark.parametrize("bad", ["negative id", "outside the vocabulary", "one token too many"])
+def test_a_sampler_that_returns_bad_tokens_fails_its_step_not_the_engine(model, bad):
+    """A plug-in sampler's bad output ends the step's requests with an error; the engine serves on."""
+    from kvlab.engine.sampler import SamplerOutput, sample
+
+    llm = engine(model, enable_prefix_caching=True)
+    prompt = list(range(1, 8))
+
+    def broken(logits, *args):
+        out = sample(logits, *args)
+        ids = {"negative id": torch.full_like(out.token_ids, -1),
+               "outside the vocabulary": torch.full_like(out.token_ids, model.config.vocab_size),
+               "one token too many": torch.cat([out.token_ids, out.token_ids[:1]])}[bad]
+        return SamplerOutput(ids, torch.zeros(len(ids)))
+
+    llm.sampler = broken
+    [failed] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert failed.outputs[0].finish_reason == "error" and "the step failed" in failed.error
+    assert_idle_and_clean(llm)
+    assert not llm.pool.cached_blocks
+    llm.sampler = sample                               # the engine's own sampler again
+    [again] = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert again.error is None and again.outputs[0].token_ids == alone(model, prompt)
+
+
+def test_an_impossible_top_k_is_refused_and_the_batch_serves_on(model):
+    llm = engine(model)
+    with pytest.raises(ValueError, match="top_k"):
+        llm.add_request([1, 2, 3], SamplingParams(top_k=2**63, max_tokens=2))
+    assert not llm.requests and not llm.scheduler.waiting
+    big = SamplingParams(temperature=0, top_k=10**6, max_tokens=6, ignore_eos=True)   # above the vocabulary: keeps all
+    [out] = llm.generate([[1, 2, 3]], big, use_tqdm=False)
+    assert out.outputs[0].token_ids == alone(model, [1, 2, 3])
+
+
+def test_the_scheduler_refuses_what_it_cannot_run():
+    from kvlab.engine.scheduler import Scheduler
+    from kvlab.engine.sequence import Sequence
+
+    scheduler = Scheduler(BlockPool(16, BLOCK), max_num_seqs=4, max_num_batched_tokens=64)
+    seq = Sequence(0, "r0", [1, 2, 3], GREEDY)
+    scheduler.add(seq)
+    for bad, error, message in ((seq, ValueError, "already in the scheduler"),
+                                (Sequence(0, "r1", [4, 5], GREEDY), ValueError, "already in the scheduler"),
+                                (Sequence(1, "r2", [], GREEDY), ValueError, "empty prompt"),
+                                ([1, 2, 3], TypeError, "Sequence")):
+        with pytest.raises(error, match=message):
+            scheduler.add(bad)
+    assert list(scheduler.waiting) == [seq]
+    out = scheduler.schedule()
+    with pytest.raises(ValueError, match="logprobs"):
+        scheduler.update(out, [7], [[0.0, 0.0]])        # one token, two log-probabilities
+    with pytest.raises(ValueError, match=">= 0"):
+        scheduler.update(out, [-1])
+    assert seq.num_computed_tokens == 0 and seq.output_token_ids == []
+    scheduler.update(out, [7])                          # the same step, recorded once it is right
+    assert seq.output_token_ids == [7]
+    for kw, message in ((dict(max_model_len="64"), "max_model_len"), (dict(max_model_len=0), "max_model_len"),
+                        (dict(bytes_per_token=-3), "bytes_per_token")):
+        with pytest.raises((ValueError, TypeError), match=message):
+            Scheduler(BlockPool(16, BLOCK), **kw)

@@ -304,7 +304,7 @@ class LLM:
                 draft_probs = propose_drafts(self.proposer, self.scheduler, out, self.max_model_len) \
                     if self.proposer else None
                 logits = self.model_runner.compute_logits(out)
-                tokens, logprobs = self._sample(out, logits, draft_probs)
+                tokens, logprobs = self._check_sampled(out, *self._sample(out, logits, draft_probs))
             except EngineDeadError:
                 raise
             except Exception as e:       # noqa: BLE001  (a failed step ends its requests, not the engine)
@@ -347,6 +347,15 @@ class LLM:
                 tokens[i], logprobs[i] = [t], [lp]
         for item, (t, lp) in zip(verifying, verify_drafts(out, logits, draft_probs, self.rejection_sampler)):
             tokens[where[id(item.seq)]], logprobs[where[id(item.seq)]] = t, lp
+        return tokens, logprobs
+
+    def _check_sampled(self, out, tokens, logprobs) -> tuple[list, list]:
+        """The step's samples, checked before the scheduler records them: a sampler (yours,
+        say) that returns too many tokens or ids outside the vocabulary fails the step."""
+        tokens, logprobs = self.scheduler.check_results(out, tokens, logprobs)
+        vocab = self.config.vocab_size
+        if any(t >= vocab for row in tokens for t in row):
+            raise ValueError(f"the sampler returned a token id outside the vocabulary (0..{vocab - 1})")
         return tokens, logprobs
 
     def _sample_rows(self, logits, seqs) -> tuple[list[int], list[float]]:

@@ -98,8 +98,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
 
     def _check_top_k(self) -> None:
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= 1, or -1 or 0 to keep every token, got {self.top_k!r}")
+        if not _is_int(self.top_k) or not -1 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be an int >= 1 (below 2**31), or -1 or 0 to keep every token, "
+                             f"got {self.top_k!r}")
 
     def _check_seed(self) -> None:
         if self.seed is not None and not _is_int(self.seed):

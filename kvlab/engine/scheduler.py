@@ -178,6 +178,9 @@ class Scheduler:
                              f"({max_num_seqs}): every running sequence decodes one token per step")
         check_scheduling(enable_chunked_prefill, long_prefill_token_threshold, max_num_partial_prefills,
                          scheduling_policy, prefill_priority_after)
+        if max_model_len is not None:
+            check_count("max_model_len", max_model_len, minimum=1)
+        check_count("bytes_per_token", bytes_per_token)
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -210,6 +213,7 @@ class Scheduler:
             pool.attach_host_tier(host_prefix_cache)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []        # in admission order, oldest first
+        self._seq_ids: set = set()               # of the sequences added and not yet released
         # counters, for tests and notebooks
         self.num_steps = 0
         self.num_preemptions = 0
@@ -223,6 +227,13 @@ class Scheduler:
     # -- queues ----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (its ``forks`` join the batch after its prompt is computed)."""
+        if not isinstance(seq, Sequence):
+            raise TypeError(f"seq must be a Sequence, got {type(seq).__name__}")
+        if not seq.num_prompt_tokens:
+            raise ValueError(f"sequence {seq.seq_id!r} has an empty prompt")
+        if seq.seq_id in self._seq_ids or seq.seq_id in self.pool:
+            raise ValueError(f"sequence id {seq.seq_id!r} is already in the scheduler")
+        self._seq_ids.add(seq.seq_id)
         seq.status = SequenceStatus.WAITING
         if seq.arrival_time is None:
             seq.arrival_time = self.clock()
@@ -496,6 +507,7 @@ class Scheduler:
         self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        self._seq_ids.discard(seq.seq_id)
         if seq.seq_id in self.pool:
             self.pool.free(seq.seq_id)
         if seq in self.running:
@@ -518,18 +530,8 @@ class Scheduler:
         if out.scheduled and out is not self._unrecorded:
             raise ValueError("update() takes the output of the latest schedule(), once")
         samples = out.sample_seqs
-        tokens = [[int(t) for t in x] if isinstance(x, (list, tuple)) else [int(x)] for x in sampled_token_ids]
-        if len(tokens) != len(samples):
-            raise ValueError(f"the step sampled tokens for {len(tokens)} sequences, it ran {len(samples)}")
-        if logprobs is None:
-            logprobs = [[0.0] * len(t) for t in tokens]
-        logprobs = [[float(v) for v in x] if isinstance(x, (list, tuple)) else [float(x)] for x in logprobs]
+        tokens, logprobs = self.check_results(out, sampled_token_ids, logprobs)
         emitted = dict(zip(map(id, samples), tokens))
-        for item in out.scheduled:
-            got = len(emitted.get(id(item.seq), ()))
-            if item.samples and not 1 <= got <= item.num_logits:
-                raise ValueError(f"sequence {item.seq.seq_id} emitted {got} tokens; a step gives it "
-                                 f"1..{item.num_logits}")
         self._unrecorded = None
         for item in out.scheduled:
             self._record_computed(item, len(emitted.get(id(item.seq), (None,))) - 1)
@@ -544,6 +546,31 @@ class Scheduler:
         for seq in finished:
             self._release(seq)
         return finished
+
+    @staticmethod
+    def check_results(out: SchedulerOutput, sampled_token_ids, logprobs=None) -> tuple[list, list]:
+        """``update``'s results as a list of tokens and one of log-probabilities per sample of
+        ``out``, checked before anything changes (ValueError): one entry per sample, token ids
+        >= 0, 1..``num_logits`` tokens per scheduled sequence that samples, as many
+        log-probabilities as tokens."""
+        samples = out.sample_seqs
+        tokens = [[int(t) for t in x] if isinstance(x, (list, tuple)) else [int(x)] for x in sampled_token_ids]
+        if len(tokens) != len(samples):
+            raise ValueError(f"the step sampled tokens for {len(tokens)} sequences, it ran {len(samples)}")
+        if any(t < 0 for row in tokens for t in row):
+            raise ValueError(f"sampled token ids must be >= 0, got {[row for row in tokens if min(row, default=0) < 0][0]}")
+        if logprobs is None:
+            logprobs = [[0.0] * len(t) for t in tokens]
+        logprobs = [[float(v) for v in x] if isinstance(x, (list, tuple)) else [float(x)] for x in logprobs]
+        if [len(x) for x in logprobs] != [len(t) for t in tokens]:
+            raise ValueError("logprobs must hold one log-probability per sampled token")
+        emitted = dict(zip(map(id, samples), tokens))
+        for item in out.scheduled:
+            got = len(emitted.get(id(item.seq), ()))
+            if item.samples and not 1 <= got <= item.num_logits:
+                raise ValueError(f"sequence {item.seq.seq_id} emitted {got} tokens; a step gives it "
+                                 f"1..{item.num_logits}")
+        return tokens, logprobs
 
     def _record_computed(self, item: ScheduledSequence, num_accepted: int) -> None:
         """The step computed ``item``'s tokens; of its drafts, ``num_accepted`` were kept."""
