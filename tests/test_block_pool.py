@@ -315,6 +315,19 @@ def test_non_int_counts_raise_type_error(method, bad):
     assert "d" not in pool
 
 
+@pytest.mark.parametrize("method", ["allocate", "append"])
+def test_cache_must_be_a_bool(method):
+    pool = _busy_pool()
+    before = snapshot(pool)
+    with pytest.raises(TypeError, match="cache must be True or False"):
+        if method == "allocate":
+            pool.allocate("d", 2, cache="no")
+        else:
+            pool.append("a", 1, cache="no")
+    assert snapshot(pool) == before
+    assert "d" not in pool
+
+
 def test_count_beyond_whole_pool_capacity_is_value_error_not_out_of_blocks():
     pool = BlockPool(num_blocks=4, block_size=4)
     before = snapshot(pool)

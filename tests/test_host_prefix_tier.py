@@ -66,6 +66,33 @@ def test_a_pool_without_caching_takes_no_tier():
         raise AssertionError("accepted")
 
 
+def test_a_pool_takes_only_a_tier():
+    pool = BlockPool(4, 2, enable_prefix_caching=True)
+    for bad in (None, object(), HostBlockAllocator(4)):
+        try:
+            pool.attach_host_tier(bad)
+        except TypeError as e:
+            assert "HostPrefixCache" in str(e)
+        else:
+            raise AssertionError(f"{bad!r} accepted as a tier")
+    assert pool.host_tier is None
+
+
+def test_forget_refuses_blocks_the_pool_does_not_have():
+    pool = BlockPool(4, 2, enable_prefix_caching=True)
+    pool.allocate("a", 4, [1, 2, 3, 4])
+    pool.free("a")
+    cached = dict(pool.cached_blocks)
+    for bad, error in (([-4], ValueError), ([1, 9], ValueError), ([1.0], TypeError)):
+        try:
+            pool.forget(bad)
+        except error as e:
+            assert "block" in str(e)
+        else:
+            raise AssertionError(f"forget({bad}) accepted")
+        assert pool.cached_blocks == cached
+
+
 # -- bytes -------------------------------------------------------------------------------------
 def test_host_hits_restore_the_same_bytes():
     """A prompt's blocks are evicted by other prompts (saved to the host), the device blocks are

@@ -177,6 +177,7 @@ class BlockPool:
             raise ValueError(f"sequence {seq_id!r} already holds blocks; free it first")
         check_count("num_tokens", num_tokens)
         check_salt(salt)
+        check_bool("cache", cache)
         self._check_capacity(seq_id, num_tokens)
         hits, chain = [], []
         if self.enable_prefix_caching:
@@ -229,6 +230,7 @@ class BlockPool:
             )
         if self.enable_prefix_caching:
             self._check_token_ids(token_ids, num_tokens)
+        check_bool("cache", cache)
         table = self.block_tables[seq_id]
         new_blocks = []
         if self._needs_copy_on_write(seq_id, num_tokens):
@@ -314,11 +316,19 @@ class BlockPool:
             raise ValueError("a host tier keeps prefix-cache blocks: it needs enable_prefix_caching=True")
         if self.block_tables or self.cached_blocks:
             raise ValueError("attach the host tier before the pool is used")
+        missing = [m for m in ("lookup", "save", "take", "restore", "take_transfers", "next_step", "discard", "clear")
+                   if not callable(getattr(tier, m, None))]
+        if missing:
+            raise TypeError(f"tier must be a HostPrefixCache; a {type(tier).__name__} has no {', '.join(missing)}")
         self.host_tier = tier
 
     def forget(self, blocks) -> None:
         """Drop ``blocks`` from the prefix cache: their K/V is not what their hash promises (a
         step that was to copy it failed). Unheld ones become plain free blocks."""
+        blocks = list(blocks)
+        for block in blocks:
+            if check_count("block", block) >= self.num_blocks:
+                raise ValueError(f"block {block} is out of range: the pool has {self.num_blocks} blocks")
         for block in blocks:
             if self.block_hashes[block] is None:
                 continue
