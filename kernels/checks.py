@@ -346,7 +346,8 @@ def check_kv_scales(k_cache, v_cache, k_scale, v_scale) -> bool:
         return False
     for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
         if t is None:
-            raise ValueError(f"the cache is {k_cache.dtype}, quantised: {name} (its scales) must be given")
+            raise ValueError(f"the cache is {k_cache.dtype}, quantised: {name} (its scales) must be given "
+                             "(write_kv_quantized writes such a cache)")
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype != torch.float32:
@@ -367,6 +368,9 @@ def check_write_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale=None
     with the scales) that breaks a rule."""
     num_blocks, block_size, num_kv_heads, head_dim = check_kv_cache_pair(k_cache, v_cache)
     quantized = check_kv_scales(k_cache, v_cache, k_scale, v_scale)
+    for name, (k, v) in (("cache", (k_cache, v_cache)), ("scale", (k_scale, v_scale))):
+        if k is not None and k.data_ptr() == v.data_ptr():
+            raise ValueError(f"k_{name} and v_{name} must be two tensors: one would overwrite the other")
     for name, t in (("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -113,6 +113,8 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype) -> tuple[torch.Tensor, torch.Te
     fmt = _quantized_format(kv_cache_dtype)
     if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1:
         raise TypeError("x must be a floating-point tensor [..., head_dim]")
+    if x.shape[-1] == 0:
+        raise ValueError("x must have head_dim >= 1 values a row, got 0")
     x = x.float()
     scale = power_of_two_scale(x.abs().amax(dim=-1), fmt)
     return _to_grid(x / scale[..., None], fmt), scale
@@ -142,8 +144,12 @@ def _to_grid(y: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
 
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale`` in ``dtype``: the values a kernel reading the quantised cache computes with."""
-    if q.dtype not in QUANTIZED_DTYPES:
-        raise TypeError(f"q must be float8_e4m3fn or int8, got {q.dtype}")
+    if not isinstance(q, torch.Tensor) or q.dtype not in QUANTIZED_DTYPES:
+        raise TypeError(f"q must be a float8_e4m3fn or int8 tensor, got {getattr(q, 'dtype', type(q).__name__)}")
+    if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
+        raise TypeError(f"scale must be a floating-point tensor, got {getattr(scale, 'dtype', type(scale).__name__)}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+        raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
     if scale.shape != q.shape[:-1]:
         raise ValueError(f"scale must have shape {list(q.shape[:-1])} (one per row of q), got {list(scale.shape)}")
     return (q.float() * scale.float()[..., None]).to(dtype)

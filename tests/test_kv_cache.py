@@ -78,6 +78,16 @@ def test_allocate_kv_cache_validation(name, bad, exc, match):
         allocate_kv_cache(**kwargs)
 
 
+@pytest.mark.parametrize("dtype, exc, match", [
+    (torch.float8_e4m3fn, ValueError, "kv_cache_dtype='fp8'"),
+    (torch.int64, ValueError, "not a model dtype"),
+    ("float16", TypeError, "dtype must be a torch.dtype"),
+])
+def test_allocate_kv_cache_refuses_a_dtype_that_is_not_a_model_dtype(dtype, exc, match):
+    with pytest.raises(exc, match=match):
+        allocate_kv_cache(1, 2, 4, 2, 8, dtype=dtype)
+
+
 # -- batch_slot_mapping -----------------------------------------------------------------------
 def _pool():
     pool = BlockPool(num_blocks=10, block_size=4)

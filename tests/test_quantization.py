@@ -271,11 +271,34 @@ def test_bad_write_is_refused_and_writes_nothing(overrides, error, match):
         assert_same(args[k], v)
 
 
+def test_one_tensor_for_both_scales_is_refused():
+    args = _write_args()
+    args["v_scale"] = args["k_scale"]
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match="k_scale and v_scale must be two tensors"):
+        write_kv_quantized(**args)
+    for k, v in before.items():
+        assert_same(args[k], v)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda q, s: dequantize_kv(q, s, dtype=torch.int8), TypeError, "dtype must be"),
+    (lambda q, s: dequantize_kv(q, s, dtype="float16"), TypeError, "dtype must be"),
+    (lambda q, s: dequantize_kv(q, s.long()), TypeError, "scale must be a floating-point tensor"),
+    (lambda q, s: dequantize_kv(q.tolist(), s), TypeError, "q must be"),
+    (lambda q, s: quantize_kv(torch.ones(3, 2, 0), "fp8"), ValueError, "head_dim"),
+])
+def test_bad_quantiser_arguments_are_named(call, error, match):
+    q, s = quantize_kv(torch.randn(3, 2, 8), "int8")
+    with pytest.raises(error, match=match):
+        call(q, s)
+
+
 def test_plain_write_kv_refuses_a_quantised_cache():
     from kvlab.kernels import write_kv
 
     args = _write_args()
-    with pytest.raises(ValueError, match="k_scale"):
+    with pytest.raises(ValueError, match="k_scale.*write_kv_quantized"):
         write_kv(args["key"], args["value"], args["k_cache"], args["v_cache"], args["slot_mapping"])
     assert bool((args["k_cache"].float() == 0).all())
 

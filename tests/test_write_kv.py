@@ -135,6 +135,15 @@ def test_bad_input_is_refused_and_writes_nothing(overrides, error, match):
     assert torch.equal(args["k_cache"], k_before) and torch.equal(args["v_cache"], v_before)
 
 
+def test_one_tensor_for_both_caches_is_refused():
+    args = _args()
+    args["v_cache"] = args["k_cache"]
+    before = args["k_cache"].clone()
+    with pytest.raises(ValueError, match="k_cache and v_cache must be two tensors"):
+        write_kv(**args)
+    assert torch.equal(args["k_cache"], before)
+
+
 @pytest.mark.parametrize("first,second", [(0, 1), (3, 150), (70, 199), (130, 131)])
 def test_a_slot_named_twice_is_found_anywhere(first, second):
     """The duplicate search compares tiles of 64 slots, in several programs: pairs in one tile, in two."""

@@ -114,6 +114,11 @@ def allocate_kv_cache(
         check_count(name, value, minimum=1)
     shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
     fmt = kv_cache_format(kv_cache_dtype)       # checks the name
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    if fmt is None and (not dtype.is_floating_point or dtype.itemsize < 2):
+        raise ValueError(f"dtype {dtype} is not a model dtype (float16, bfloat16, float32 or float64); a cache of "
+                         "8-bit codes is kv_cache_dtype='fp8' or 'int8'")
     if fmt is None:
         return KVCache(k=torch.empty(shape, dtype=dtype, device=device),
                        v=torch.empty(shape, dtype=dtype, device=device))
