@@ -66,6 +66,16 @@ def test_a_pool_without_caching_takes_no_tier():
         raise AssertionError("accepted")
 
 
+def test_a_tier_owns_distinct_host_blocks():
+    for bad, error in (([1, 1], ValueError), ([-1], ValueError), ([0.5], TypeError)):
+        try:
+            HostPrefixCache(bad)
+        except error as e:
+            assert "host block" in str(e)
+        else:
+            raise AssertionError(f"HostPrefixCache({bad}) accepted")
+
+
 def test_a_pool_takes_only_a_tier():
     pool = BlockPool(4, 2, enable_prefix_caching=True)
     for bad in (None, object(), HostBlockAllocator(4)):

@@ -88,6 +88,12 @@ def test_allocate_kv_cache_refuses_a_dtype_that_is_not_a_model_dtype(dtype, exc,
         allocate_kv_cache(1, 2, 4, 2, 8, dtype=dtype)
 
 
+@pytest.mark.parametrize("bad, exc", [(-1, ValueError), (2, ValueError), (True, TypeError), ("0", TypeError)])
+def test_a_layer_out_of_range_is_refused(bad, exc):
+    with pytest.raises(exc, match="index"):
+        allocate_kv_cache(2, 2, 4, 2, 8, dtype=torch.float32).layer(bad)
+
+
 # -- batch_slot_mapping -----------------------------------------------------------------------
 def _pool():
     pool = BlockPool(num_blocks=10, block_size=4)
@@ -133,6 +139,12 @@ def test_batch_slot_mapping_pad_to_too_short():
     pool = _pool()
     with pytest.raises(ValueError, match="pad_to=3 is shorter than the batch's 4 tokens"):
         batch_slot_mapping(pool, [("b", 0, 3), ("c", 0, 1)], pad_to=3)
+
+
+@pytest.mark.parametrize("bad, exc", [(4.5, TypeError), (True, TypeError), (-1, ValueError)])
+def test_batch_slot_mapping_pad_to_must_be_a_count(bad, exc):
+    with pytest.raises(exc, match="pad_to"):
+        batch_slot_mapping(_pool(), [("c", 0, 1)], pad_to=bad)
 
 
 def test_batch_slot_mapping_empty_batch():

@@ -383,7 +383,7 @@ class LLM:
         request = Request(str(request_id), None, None, params)
         try:
             if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-                raise TypeError(f"request_id must be a str, got {type(request_id).__name__}")
+                raise TypeError(f"request_id must be a str or an int, got {type(request_id).__name__}")
             if request.request_id in self.requests:
                 raise ValueError(f"request id {request.request_id!r} is already in use")
             request.prompt, request.prompt_token_ids, request.cache_salt = self._tokenize(item)

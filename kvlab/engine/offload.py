@@ -177,7 +177,9 @@ class HostPrefixCache:
     """
 
     def __init__(self, host_blocks):
-        self.host_blocks = list(host_blocks)                   # the host block ids it owns
+        self.host_blocks = [check_count("host block", b) for b in host_blocks]   # the host block ids it owns
+        if len(set(self.host_blocks)) != len(self.host_blocks):
+            raise ValueError("host_blocks: a host block is named twice")
         self.free: deque[int] = deque(self.host_blocks)
         self.entries: OrderedDict[bytes, int] = OrderedDict()  # hash -> host block, least recent first
         self.saves: list[tuple[int, int]] = []                 # this step's (device, host) copies out

@@ -56,6 +56,8 @@ class KVCache:
 
     def layer(self, index: int) -> tuple:
         """``(k, v, k_scale, v_scale)`` of one layer (scales ``None`` unless quantised)."""
+        if check_count("index", index) >= self.k.shape[0]:
+            raise ValueError(f"index {index} is out of range: the cache has {self.k.shape[0]} layers")
         if not self.quantized:
             return self.k[index], self.v[index], None, None
         return self.k[index], self.v[index], self.k_scale[index], self.v_scale[index]
@@ -163,7 +165,7 @@ def batch_slot_mapping(pool, requests, pad_to: int | None = None, device="cpu") 
         seen.add(seq_id)
         slots += pool.slot_mapping(seq_id, start, num_tokens)
     if pad_to is not None:
-        if pad_to < len(slots):
+        if check_count("pad_to", pad_to) < len(slots):
             raise ValueError(f"pad_to={pad_to} is shorter than the batch's {len(slots)} tokens")
         slots += [PAD_SLOT] * (pad_to - len(slots))
     return torch.tensor(slots, dtype=torch.int64, device=device)
