@@ -2,6 +2,7 @@
 host (LRU, bounded) and brought back on a hit, byte for byte; nothing leaks across the tiers."""
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
@@ -41,66 +42,42 @@ def test_refused_takes_and_restores_change_nothing():
     tier.save(3, b"a")
     tier.save(4, b"b")
     for bad in ([b"b", b"zz"], [b"a", b"a"]):
-        try:
+        with pytest.raises(ValueError, match="block_hashes"):
             tier.take(bad)
-        except ValueError as e:
-            assert "block_hashes" in str(e)
-        else:
-            raise AssertionError(f"take({bad}) accepted")
         assert dict(tier.entries) == {b"a": 6, b"b": 7} and tier.reading == []
-    try:
+    with pytest.raises(ValueError, match="pair up"):
         tier.restore(tier.take([b"a"]), [0, 1])
-    except ValueError as e:
-        assert "pair up" in str(e)
-    else:
-        raise AssertionError("restore with unequal lists accepted")
     assert tier.take_transfers()[1] == [] and tier.num_restored == 0
 
 
 def test_a_pool_without_caching_takes_no_tier():
-    try:
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
         BlockPool(4, 4).attach_host_tier(HostPrefixCache([0]))
-    except ValueError as e:
-        assert "enable_prefix_caching" in str(e)
-    else:
-        raise AssertionError("accepted")
 
 
-def test_a_tier_owns_distinct_host_blocks():
-    for bad, error in (([1, 1], ValueError), ([-1], ValueError), ([0.5], TypeError)):
-        try:
-            HostPrefixCache(bad)
-        except error as e:
-            assert "host block" in str(e)
-        else:
-            raise AssertionError(f"HostPrefixCache({bad}) accepted")
+@pytest.mark.parametrize("bad, error", [([1, 1], ValueError), ([-1], ValueError), ([0.5], TypeError)])
+def test_a_tier_owns_distinct_host_blocks(bad, error):
+    with pytest.raises(error, match="host block"):
+        HostPrefixCache(bad)
 
 
-def test_a_pool_takes_only_a_tier():
+@pytest.mark.parametrize("bad", [None, object(), HostBlockAllocator(4)])
+def test_a_pool_takes_only_a_tier(bad):
     pool = BlockPool(4, 2, enable_prefix_caching=True)
-    for bad in (None, object(), HostBlockAllocator(4)):
-        try:
-            pool.attach_host_tier(bad)
-        except TypeError as e:
-            assert "HostPrefixCache" in str(e)
-        else:
-            raise AssertionError(f"{bad!r} accepted as a tier")
+    with pytest.raises(TypeError, match="HostPrefixCache"):
+        pool.attach_host_tier(bad)
     assert pool.host_tier is None
 
 
-def test_forget_refuses_blocks_the_pool_does_not_have():
+@pytest.mark.parametrize("bad, error", [([-4], ValueError), ([1, 9], ValueError), ([1.0], TypeError)])
+def test_forget_refuses_blocks_the_pool_does_not_have(bad, error):
     pool = BlockPool(4, 2, enable_prefix_caching=True)
     pool.allocate("a", 4, [1, 2, 3, 4])
     pool.free("a")
     cached = dict(pool.cached_blocks)
-    for bad, error in (([-4], ValueError), ([1, 9], ValueError), ([1.0], TypeError)):
-        try:
-            pool.forget(bad)
-        except error as e:
-            assert "block" in str(e)
-        else:
-            raise AssertionError(f"forget({bad}) accepted")
-        assert pool.cached_blocks == cached
+    with pytest.raises(error, match="block"):
+        pool.forget(bad)
+    assert pool.cached_blocks == cached
 
 
 # -- bytes -------------------------------------------------------------------------------------
