@@ -172,9 +172,9 @@ def main() -> None:
     shared = compiled.metadata.shared
     by_registers, by_shared = programs_per_sm(int(registers), shared, warps)
     programs = min(by_registers, by_shared)
+    layout = f", {args.scale_layout} scales" if args.kv_cache_dtype != "bf16" else ""
     print(f"Triton {triton.__version__}, sm_90: {compiled.name}, {args.kv_cache_dtype}, block_n {block_n}, "
-          f"{warps} warps, {stages} stages"
-          + (f", {args.scale_layout} scales" if args.kv_cache_dtype != "bf16" else "") + (f", maxnreg {args.maxnreg}" if args.maxnreg else ""))
+          f"{warps} warps, {stages} stages{layout}" + (f", maxnreg {args.maxnreg}" if args.maxnreg else ""))
     print(f"loop: {len(ops)} instructions per warp and tile ({len(ops) * warps / block_n:.1f} per key, all "
           f"warps); {registers} registers a thread, {shared} bytes of shared memory")
     print(f"an SM holds {programs} programs ({by_registers} by registers, {by_shared} by shared memory): "

@@ -76,6 +76,7 @@ KV_CACHE_DTYPES: dict[str, KVCacheFormat | None] = {
 }
 _ALIASES = {"fp8_e4m3": "fp8"}
 QUANTIZED_DTYPES = {f.dtype: f for f in KV_CACHE_DTYPES.values() if f is not None}
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)   # what "auto" stores
 GRANULARITIES = ("token_head", "tensor")
 
 
@@ -148,7 +149,7 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = tor
         raise TypeError(f"q must be a float8_e4m3fn or int8 tensor, got {getattr(q, 'dtype', type(q).__name__)}")
     if not isinstance(scale, torch.Tensor) or not scale.is_floating_point():
         raise TypeError(f"scale must be a floating-point tensor, got {getattr(scale, 'dtype', type(scale).__name__)}")
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
+    if dtype not in MODEL_DTYPES:
         raise TypeError(f"dtype must be float16, bfloat16, float32 or float64, got {dtype!r}")
     if scale.shape != q.shape[:-1]:
         raise ValueError(f"scale must have shape {list(q.shape[:-1])} (one per row of q), got {list(scale.shape)}")

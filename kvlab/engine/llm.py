@@ -160,7 +160,7 @@ class LLM:
                                    max_num_partial_prefills=c.max_num_partial_prefills,
                                    scheduling_policy=c.scheduling_policy,
                                    prefill_priority_after=c.prefill_priority_after,
-                                   **self._host_tier(c))
+                                   vocab_size=self.config.vocab_size, **self._host_tier(c))
 
     def _host_tier(self, c: EngineConfig) -> dict:
         """The scheduler's settings for the host tier (chapter 9): none without ``swap_space``.
@@ -304,13 +304,16 @@ class LLM:
                 draft_probs = propose_drafts(self.proposer, self.scheduler, out, self.max_model_len) \
                     if self.proposer else None
                 logits = self.model_runner.compute_logits(out)
-                tokens, logprobs = self._check_sampled(out, *self._sample(out, logits, draft_probs))
+                tokens, logprobs = self._sample(out, logits, draft_probs)
+                # update checks the samples before it records anything: a sampler (yours, say) that
+                # returns ids outside the vocabulary or too many tokens fails the step here
+                finished = self.scheduler.update(out, tokens, logprobs)
             except EngineDeadError:
                 raise
             except Exception as e:       # noqa: BLE001  (a failed step ends its requests, not the engine)
                 ended += self.scheduler.abandon(out, f"the step failed: {type(e).__name__}: {e}")
             else:
-                ended += self.scheduler.update(out, tokens, logprobs)
+                ended += finished
                 self._after_verification(out, tokens)
                 ended += self._check_stop_strings(out.sample_seqs)
         elif not ended and not out.swapped_in and self.scheduler.has_unfinished():
@@ -347,15 +350,6 @@ class LLM:
                 tokens[i], logprobs[i] = [t], [lp]
         for item, (t, lp) in zip(verifying, verify_drafts(out, logits, draft_probs, self.rejection_sampler)):
             tokens[where[id(item.seq)]], logprobs[where[id(item.seq)]] = t, lp
-        return tokens, logprobs
-
-    def _check_sampled(self, out, tokens, logprobs) -> tuple[list, list]:
-        """The step's samples, checked before the scheduler records them: a sampler (yours,
-        say) that returns too many tokens or ids outside the vocabulary fails the step."""
-        tokens, logprobs = self.scheduler.check_results(out, tokens, logprobs)
-        vocab = self.config.vocab_size
-        if any(t >= vocab for row in tokens for t in row):
-            raise ValueError(f"the sampler returned a token id outside the vocabulary (0..{vocab - 1})")
         return tokens, logprobs
 
     def _sample_rows(self, logits, seqs) -> tuple[list[int], list[float]]:

@@ -146,9 +146,9 @@ class HostBlockAllocator:
         """Give back blocks (a run or part of one); neighbouring free runs merge. A block that
         is not allocated, or named twice, is refused, and then nothing is given back."""
         blocks = sorted(check_count("host block", b) for b in blocks)
-        for i, block in enumerate(blocks):
-            if i and blocks[i - 1] == block:
-                raise ValueError(f"host block {block} is named twice")
+        if len(set(blocks)) != len(blocks):
+            raise ValueError("blocks: a host block is named twice")
+        for block in blocks:
             if not 0 <= block < self.num_blocks or any(s <= block < s + n for s, n in self.runs.items()):
                 raise ValueError(f"host block {block} is not allocated")
         runs = {**self.runs, **dict.fromkeys(blocks, 1)}
@@ -215,9 +215,10 @@ class HostPrefixCache:
         leave the tier (the device cache holds them now); the blocks stay reserved until the
         next step, when the copies have read them."""
         block_hashes = list(block_hashes)
-        missing = next((h for h in block_hashes if h not in self.entries), None)
-        if missing is not None or len(set(block_hashes)) != len(block_hashes):
-            raise ValueError(f"block_hashes: {'a hash not in the tier' if missing is not None else 'a hash named twice'}")
+        if len(set(block_hashes)) != len(block_hashes):
+            raise ValueError("block_hashes: a hash is named twice")
+        if any(h not in self.entries for h in block_hashes):
+            raise ValueError("block_hashes: a hash is not in the tier")
         host_blocks = [self.entries.pop(h) for h in block_hashes]
         self.reading += host_blocks
         return host_blocks

@@ -54,6 +54,7 @@ copied before the forward pass. The runner never sees the pool.
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -170,7 +171,7 @@ class Scheduler:
                  max_num_partial_prefills: int = 1, scheduling_policy: str = "fcfs",
                  prefill_priority_after: float | None = None, clock=time.monotonic, host_blocks=None,
                  preemption_mode: str = "auto", preemption_costs=None, bytes_per_token: int = 0,
-                 host_prefix_cache=None):
+                 host_prefix_cache=None, vocab_size: int | None = None):
         check_count("max_num_seqs", max_num_seqs, minimum=1)
         check_count("max_num_batched_tokens", max_num_batched_tokens, minimum=1)
         if max_num_batched_tokens < max_num_seqs:
@@ -181,7 +182,10 @@ class Scheduler:
         if max_model_len is not None:
             check_count("max_model_len", max_model_len, minimum=1)
         check_count("bytes_per_token", bytes_per_token)
+        if vocab_size is not None:
+            check_count("vocab_size", vocab_size, minimum=1)
         self.pool = pool
+        self.vocab_size = vocab_size                # sampled ids must lie below it (None: unchecked)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -530,7 +534,7 @@ class Scheduler:
         if out.scheduled and out is not self._unrecorded:
             raise ValueError("update() takes the output of the latest schedule(), once")
         samples = out.sample_seqs
-        tokens, logprobs = self.check_results(out, sampled_token_ids, logprobs)
+        tokens, logprobs = self._check_results(out, sampled_token_ids, logprobs)
         emitted = dict(zip(map(id, samples), tokens))
         self._unrecorded = None
         for item in out.scheduled:
@@ -547,18 +551,19 @@ class Scheduler:
             self._release(seq)
         return finished
 
-    @staticmethod
-    def check_results(out: SchedulerOutput, sampled_token_ids, logprobs=None) -> tuple[list, list]:
+    def _check_results(self, out: SchedulerOutput, sampled_token_ids, logprobs=None) -> tuple[list, list]:
         """``update``'s results as a list of tokens and one of log-probabilities per sample of
         ``out``, checked before anything changes (ValueError): one entry per sample, token ids
-        >= 0, 1..``num_logits`` tokens per scheduled sequence that samples, as many
-        log-probabilities as tokens."""
+        in ``0..vocab_size - 1``, 1..``num_logits`` tokens per scheduled sequence that samples, as
+        many log-probabilities as tokens."""
         samples = out.sample_seqs
         tokens = [[int(t) for t in x] if isinstance(x, (list, tuple)) else [int(x)] for x in sampled_token_ids]
         if len(tokens) != len(samples):
             raise ValueError(f"the step sampled tokens for {len(tokens)} sequences, it ran {len(samples)}")
-        if any(t < 0 for row in tokens for t in row):
-            raise ValueError(f"sampled token ids must be >= 0, got {[row for row in tokens if min(row, default=0) < 0][0]}")
+        top = self.vocab_size or math.inf
+        bad = next((row for row in tokens if any(not 0 <= t < top for t in row)), None)
+        if bad is not None:
+            raise ValueError(f"sampled token ids must be >= 0 and < vocab_size ({self.vocab_size}), got {bad}")
         if logprobs is None:
             logprobs = [[0.0] * len(t) for t in tokens]
         logprobs = [[float(v) for v in x] if isinstance(x, (list, tuple)) else [float(x)] for x in logprobs]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kvlab.paging.block_pool import check_count
-from kvlab.quantization import QUANTIZED_DTYPES, kv_cache_format
+from kvlab.quantization import MODEL_DTYPES, QUANTIZED_DTYPES, kv_cache_format
 
 PAD_SLOT = -1  # a slot-mapping entry that writes nothing (padding tokens)
 
@@ -118,7 +118,7 @@ def allocate_kv_cache(
     fmt = kv_cache_format(kv_cache_dtype)       # checks the name
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-    if fmt is None and (not dtype.is_floating_point or dtype.itemsize < 2):
+    if fmt is None and dtype not in MODEL_DTYPES:
         raise ValueError(f"dtype {dtype} is not a model dtype (float16, bfloat16, float32 or float64); a cache of "
                          "8-bit codes is kv_cache_dtype='fp8' or 'int8'")
     if fmt is None:
