@@ -4,7 +4,8 @@ while others multiply (Hopper, written in Gluon).
 Over an fp8 or int8 cache, :func:`kvlab.kernels.flash_attention.paged_prefill` converts every
 tile of codes in the warps that then run the products: load the codes, convert them, store them
 to shared memory again as 16-bit numbers, wait for every warp, multiply. The tensor cores sit
-idle while the conversion runs, and a chunk over the cache takes 1.7-1.9x bf16's time on an H200.
+idle while the conversion runs, and a long chunk over the cache takes 1.8-1.9x bf16's time on an
+H200 (head_dim 128).
 
 This kernel gives the conversion warps of its own (warp specialisation, FlashAttention-3's
 producer/consumer split). One program, 128 queries of one head, holds three groups of warps:

@@ -2,7 +2,7 @@
 
 Token ``t`` goes to slot ``slot_mapping[t]`` (-1: padding, nothing written), as in write_kv;
 on the way each (token, KV head) row of ``head_dim`` values gets its scale, the smallest power
-of two at or above ``amax / max`` (:func:`power_of_two_scale`), and is divided by it, clamped
+of two at or above ``amax * (1 / max)`` (:func:`power_of_two_scale`), and is divided by it, clamped
 and rounded to the stored dtype. The scale goes to the same slot
 of ``k_scale``/``v_scale``. :func:`kvlab.quantization.quantize_kv` is the reference: the kernel
 matches it bit for bit, in Triton's interpreter as on a GPU.

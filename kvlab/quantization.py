@@ -7,8 +7,8 @@
 * ``"int8"``: integers -127..127 (-128 is left out so the grid is symmetric).
 
 A value ``x`` is stored as ``q = round(clamp(x / scale, -max, max))`` and read back as
-``q * scale``. ``scale`` is the smallest power of two at or above ``amax / max``, with ``amax``
-the largest ``|x|`` of one token's ``head_dim`` values in one KV head: the row's largest value
+``q * scale``. ``scale`` is the smallest power of two at or above ``amax * (1 / max)`` (the float32
+reciprocal, see :func:`power_of_two_scale`), with ``amax`` the largest ``|x|`` of one token's ``head_dim`` values in one KV head: the row's largest value
 lands in the top half of the grid, ``(max / 2, max]``.
 
 **Why a power of two.** Multiplying a code by a power of two only moves its exponent, so
@@ -48,8 +48,10 @@ scales ``[num_blocks, block_size, num_kv_heads]`` float32 beside them, for K and
 scales with that shape but per page and KV head in memory
 (:func:`kvlab.paging.kv_cache.per_page_and_head`): the kernels read them through their strides,
 so they take either layout. ``kvlab.kernels.write_kv_quantized`` quantises as it
-scatters; ``paged_decode`` and ``paged_prefill`` read the codes and scales and dequantise in
-registers (a key's scale on its column of scores, a value's on its column of probabilities).
+scatters; ``paged_decode`` and ``paged_prefill`` read the codes and scales and dequantise on
+chip, never into a copy of the cache: the Triton kernels multiply each key's scores by its scale
+and each value's probabilities by its own, ``paged_prefill_ws`` writes ``code * scale`` (exact in
+fp16, the scales being powers of two) into shared memory for the tensor cores.
 """
 from __future__ import annotations
 
