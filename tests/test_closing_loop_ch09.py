@@ -12,7 +12,7 @@ import torch
 from helpers import closing_loop_fixtures, one_thread, served_tokens  # noqa: F401  (one_thread: a fixture)
 from kvlab import LLM, SamplingParams
 from kvlab.paging.kv_cache import block_and_offset
-from kvlab.scaffold.ch09 import PIECES, my_quantization_user
+from kvlab.scaffold.ch09 import PIECES, my_quantization_user, serve_beside, use_my_preemption_mode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,3 +108,78 @@ def test_stubs_stay_the_courses(reference):
     with pytest.raises(ValueError):
         use(llm, ["quantise"])
     assert PIECES == ("quantize", "write_kernel")
+
+
+# -- serve_beside: what the pieces stored, compared with the course's, step by step -------------
+def test_serve_beside_finds_the_reference_identical(answers):
+    llm = LLM(**ENGINE)
+    my_quantization_user(answers.quantize_kv, answers.dequantize_kv, stub)(llm, ["quantize"])
+    found = serve_beside(llm, LLM(**ENGINE), PROMPTS, GREEDY)
+    assert found.my_tokens == found.course_tokens and not found.errors
+    assert found.layer0_equal and found.first_difference is None
+    # every token but each request's last sampled one was written: prompts, then decodes
+    prompt_tokens = sum(len(llm.get_tokenizer().encode(p)) for p in PROMPTS)
+    assert found.slots_checked == prompt_tokens + sum(len(t) - 1 for t in found.my_tokens)
+    assert found.later_share > 0.99
+
+
+def test_serve_beside_sees_a_truncating_int8_quantiser_the_tokens_hide(answers):
+    """``.to(torch.int8)`` truncates instead of rounding: the greedy tokens still agree here, but
+    layer 0's codes do not, and the first difference is named."""
+    def truncating(x, kv_cache_dtype):
+        codes, scales = answers.quantize_kv(x, kv_cache_dtype)
+        return (x.float() / scales[..., None]).clamp(-127, 127).to(torch.int8), scales
+
+    engine = dict(ENGINE, kv_cache_dtype="int8")
+    llm = LLM(**engine)
+    my_quantization_user(truncating, answers.dequantize_kv, stub)(llm, ["quantize"])
+    found = serve_beside(llm, LLM(**engine), PROMPTS, GREEDY)
+    assert not found.layer0_equal
+    assert found.first_difference.startswith("K codes differ at layer 0, slot ")
+
+
+def test_serve_beside_reports_a_failing_piece(answers):
+    def crashing(codes, scales):
+        return codes.float() * scales       # scales [..., heads] against codes [..., heads, head_dim]
+
+    llm = LLM(**ENGINE)
+    my_quantization_user(answers.quantize_kv, crashing, stub)(llm, ["quantize"])
+    found = serve_beside(llm, LLM(**ENGINE), PROMPTS, GREEDY)
+    assert len(found.errors) == len(PROMPTS) and "RuntimeError" in found.errors[0]
+    with pytest.raises(ValueError, match="use_my_quantization"):
+        serve_beside(LLM(**ENGINE), LLM(**ENGINE), PROMPTS, GREEDY)
+
+
+# -- use_my_preemption_mode: the learner's rule picks swap or recompute in the engine -----------
+SWAP_ENGINE = dict(num_gpu_blocks=12, block_size=8, max_num_seqs=3, max_num_batched_tokens=64, max_model_len=256,
+                   swap_space=0.001, preemption_mode="auto")
+SWAP_PROMPTS = [[(7 * i + 3 * n) % 900 + 1 for i in range(n)] for n in (20, 18, 22)]
+SWAP_GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.mark.parametrize("rule, swaps", [("swap", 1), ("recompute", 0)])
+def test_the_rule_decides_and_the_tokens_stay(rule, swaps):
+    want = served_tokens(LLM(num_gpu_blocks=64, block_size=8, max_num_seqs=3, max_model_len=256), SWAP_PROMPTS,
+                         SWAP_GREEDY)
+    llm = LLM(**SWAP_ENGINE)
+    choices = use_my_preemption_mode(llm, lambda n, bpt, costs, free: rule)
+    assert served_tokens(llm, SWAP_PROMPTS, SWAP_GREEDY) == want
+    assert choices and all(choice == rule for _, choice in choices)
+    assert llm.scheduler.num_preemptions >= 1 and (llm.scheduler.num_swapped_out > 0) == bool(swaps)
+
+
+def test_a_broken_rule_is_reported_and_the_engine_recomputes():
+    def broken(n, bpt, costs, free):
+        raise NotImplementedError("not yet")
+
+    llm = LLM(**SWAP_ENGINE)
+    choices = use_my_preemption_mode(llm, broken)
+    served_tokens(llm, SWAP_PROMPTS, SWAP_GREEDY)
+    assert choices and choices[0][1].startswith("error: NotImplementedError")
+    assert llm.scheduler.num_swapped_out == 0 and llm.pool.num_free_blocks == llm.pool.num_blocks
+    llm = LLM(**SWAP_ENGINE)
+    choices = use_my_preemption_mode(llm, lambda *args: "swapp")
+    served_tokens(llm, SWAP_PROMPTS, SWAP_GREEDY)
+    assert choices[0][1] == "error: returned 'swapp', not 'swap' or 'recompute'"
+    with pytest.raises(ValueError, match="swap_space"):
+        use_my_preemption_mode(LLM(**dict(SWAP_ENGINE, preemption_mode="swap")), broken)

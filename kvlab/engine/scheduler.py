@@ -165,6 +165,10 @@ def check_scheduling(enable_chunked_prefill, long_prefill_token_threshold, max_n
 class Scheduler:
     """FCFS continuous batching with recompute preemption, on a :class:`BlockPool`."""
 
+    # With preemption_mode "auto": the rule that picks swap or recompute for a victim, called as
+    # (num_tokens, bytes_per_token, costs, host_free_bytes). Chapter 9's exercise plugs in its own.
+    choose_preemption_mode = staticmethod(preemption_mode)
+
     def __init__(self, pool: BlockPool, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, eos_token_ids=(), num_lookahead_tokens: int = 0, *,
                  enable_chunked_prefill: bool = True, long_prefill_token_threshold: int = 0,
@@ -496,8 +500,8 @@ class Scheduler:
             return "recompute"             # no room on the host
         if self.preemption_mode == "swap":
             return "swap"
-        return preemption_mode(n, self.bytes_per_token, self.preemption_costs,
-                               run * self.pool.block_size * self.bytes_per_token)
+        return self.choose_preemption_mode(n, self.bytes_per_token, self.preemption_costs,
+                                           run * self.pool.block_size * self.bytes_per_token)
 
     def _fail(self, seq: Sequence, message: str, out: SchedulerOutput) -> None:
         for s in (seq, *seq.forks):

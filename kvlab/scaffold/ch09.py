@@ -1,7 +1,10 @@
 """Chapter 9, given: the swap-or-recompute cost record, the launcher of the quantised write
-kernel, and ``use_my_quantization(llm)``, which serves an ``LLM`` with an fp8 or int8 cache
-through your pieces."""
+kernel, ``use_my_quantization(llm)``, which serves an ``LLM`` with an fp8 or int8 cache
+through your pieces, ``serve_beside(mine, course, ...)``, which checks what they stored step by
+step, and ``use_my_preemption_mode(llm, rule)``, which lets your rule pick swap or recompute."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import kvlab  # noqa: F401  (before triton: picks the CPU interpreter when there is no GPU)
 import torch
@@ -84,9 +87,12 @@ def runner_with(write=None, dequantize_kv=None):
         ``dequantize_kv`` the layer's cache is dequantised by it and attended as plain floats.
         Steps run eagerly."""
 
+        slots_written = None       # the cache slots the last step stored (for serve_beside)
+
         def forward(self, ids, positions, tables, starts, query_lens, slots):
             where = torch.tensor(slots, dtype=torch.int64, device=self.device)
             real = where[where >= 0]
+            self.slots_written = real              # for compare_caches: what this step stored
             engine_attention = self.backend
 
             def write_then_attend(q, k_cache, v_cache, block_tables, seq_lens, query_lens, sm_scale, *,
@@ -158,3 +164,111 @@ def my_quantization_user(quantize_kv, dequantize_kv, write_kv_quantized):
         return [name for name in PIECES if name in pieces]
 
     return use_my_quantization
+
+
+# -- checking your pieces against the course's, step by step -----------------------------------
+@dataclass
+class SideBySide:
+    """What :func:`serve_beside` found: the greedy tokens of both engines, the errors your
+    engine's requests ended with, and how the codes and scales your pieces stored compare with
+    the course's (``layer0_equal``: bit for bit in layer 0, whose K/V come from the token ids
+    alone; ``later_share``: the share of identical codes in the other layers, whose inputs went
+    through attention over your dequantised cache)."""
+
+    my_tokens: list[list[int]]
+    course_tokens: list[list[int]]
+    errors: list[str]
+    slots_checked: int
+    layer0_equal: bool
+    later_share: float
+    first_difference: str | None
+
+
+def _stored(kv_cache, layer: int, slots: torch.Tensor):
+    """Layer ``layer``'s K and V codes and scales at ``slots``: four tensors."""
+    k, v = kv_cache.k[layer], kv_cache.v[layer]
+    where = block_and_offset(slots, kv_cache.block_size)
+    return k.flatten(0, 1)[slots], v.flatten(0, 1)[slots], kv_cache.k_scale[layer][where], kv_cache.v_scale[layer][where]
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s bit patterns, so that NaN equals NaN and -0.0 differs from 0.0."""
+    return x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int32)
+
+
+def _difference(mine, course, layer: int, slots: torch.Tensor, block_size: int) -> str | None:
+    """The first slot where ``mine`` and ``course`` (from :func:`_stored`) differ, in words."""
+    for name, a, b in zip(("K codes", "V codes", "K scales", "V scales"), mine, course):
+        same = _bits(a) == _bits(b)
+        if not bool(same.all()):
+            bad = (~same).nonzero()[0].tolist()
+            slot = int(slots[bad[0]])
+            where = f"layer {layer}, slot {slot} (block {slot // block_size}, offset {slot % block_size}), KV head {bad[1]}"
+            if len(bad) == 3:
+                where += f", position {bad[2]}"
+            mine_value, course_value = float(a[tuple(bad)].float()), float(b[tuple(bad)].float())
+            return f"{name} differ at {where}: {mine_value!r} where the course's is {course_value!r}"
+    return None
+
+
+def serve_beside(mine, course, prompts, sampling_params) -> SideBySide:
+    """Serve ``prompts`` on ``mine`` (an ``LLM`` that :func:`use_my_quantization` set up) and on
+    ``course`` (an ``LLM`` with the same settings), one step each in turn, and after every step
+    compare the codes and scales ``mine`` stored with those the course's engine stored in the same
+    slots (both engines book the same blocks for the same requests)."""
+    runner = mine.model_runner
+    if not hasattr(runner, "slots_written"):
+        raise ValueError("serve_beside: `mine` must be an LLM that use_my_quantization set up with a piece of yours")
+    ids = [(mine.add_request(p, sampling_params), course.add_request(p, sampling_params)) for p in prompts]
+    done_mine, done_course, checked, layer0, same, total, first = {}, {}, 0, True, 0, 0, None
+    while mine.has_unfinished_requests() or course.has_unfinished_requests():
+        runner.slots_written = None
+        for llm, done in ((mine, done_mine), (course, done_course)):
+            done.update((o.request_id, o) for o in llm.step() if o.finished)
+        slots = runner.slots_written
+        if slots is None or not slots.numel():
+            continue
+        checked += slots.numel()
+        for layer in range(mine.model_runner.kv_cache.num_layers):
+            a = _stored(mine.model_runner.kv_cache, layer, slots)
+            b = _stored(course.model_runner.kv_cache, layer, slots)
+            difference = _difference(a, b, layer, slots, mine.model_runner.kv_cache.block_size)
+            if layer == 0:
+                layer0 = layer0 and difference is None
+                first = first or difference
+            else:
+                same += int((_bits(a[0]) == _bits(b[0])).sum() + (_bits(a[1]) == _bits(b[1])).sum())
+                total += a[0].numel() + a[1].numel()
+    errors = [f"request {m}: {done_mine[m].error}" for m, _ in ids if done_mine[m].error]
+    return SideBySide([list(done_mine[m].outputs[0].token_ids) for m, _ in ids],
+                      [list(done_course[c].outputs[0].token_ids) for _, c in ids],
+                      errors, checked, layer0 and checked > 0, same / total if total else 0.0, first)
+
+
+# -- your preemption_mode in the engine ---------------------------------------------------------
+def use_my_preemption_mode(llm, rule) -> list[tuple[int, str]]:
+    """Let ``rule`` (your ``preemption_mode(num_tokens, bytes_per_token, costs, host_free_bytes)``)
+    pick swap or recompute for every sequence ``llm``'s scheduler preempts. ``llm`` needs
+    ``swap_space`` and ``preemption_mode="auto"``. Returns a list that fills as the engine runs:
+    ``(num_tokens, choice)`` per call. A rule that raises, or answers anything but ``"swap"`` or
+    ``"recompute"``, is recorded as ``(num_tokens, "error: ...")`` and the sequence recomputes,
+    so the engine serves on."""
+    scheduler = llm.scheduler
+    if scheduler.host_blocks is None or scheduler.preemption_mode != "auto":
+        raise ValueError("use_my_preemption_mode needs an LLM with swap_space > 0 and preemption_mode='auto'")
+    choices: list[tuple[int, str]] = []
+
+    def choose(num_tokens, bytes_per_token, costs, host_free_bytes):
+        try:
+            choice = rule(num_tokens, bytes_per_token, costs, host_free_bytes)
+        except Exception as err:  # noqa: BLE001  (a learner's rule: report it, keep serving)
+            choices.append((num_tokens, f"error: {type(err).__name__}: {err}"))
+            return "recompute"
+        if choice not in ("swap", "recompute"):
+            choices.append((num_tokens, f"error: returned {choice!r}, not 'swap' or 'recompute'"))
+            return "recompute"
+        choices.append((num_tokens, choice))
+        return choice
+
+    scheduler.choose_preemption_mode = choose
+    return choices
