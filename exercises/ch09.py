@@ -26,14 +26,17 @@ import torch  # noqa: F401  (you will use it)
 import triton
 import triton.language as tl
 
-# Given: the course's helpers, for your kernel (read kernels/write_kv_quant.py):
-# power_of_two_scale(amax, QMAX, FP8) gives each row's scale by quantize_kv's rule (the smallest
-# power of two at or above amax * (1.0 / QMAX), its exponent clamped to the format's range, 1
-# where amax is 0); round_to_e4m3(y) rounds float32 |y| <= 448 to the nearest e4m3 value,
-# round_half_even(y) to the nearest integer (ties to even); all three return float32.
+# Given: the course's helpers, for your kernel (help(power_of_two_scale.fn) and so on: each
+# docstring gives its rule): power_of_two_scale(amax, QMAX, FP8) gives each row's scale by
+# quantize_kv's rule (the smallest power of two at or above amax * (1.0 / QMAX), its exponent
+# clamped to the format's range, 1 where amax is 0); round_to_e4m3(y) rounds float32 |y| <= 448
+# to the nearest e4m3 value, round_half_even(y) to the nearest integer (ties to even); all three
+# return float32. Their module, kvlab.kernels.write_kv_quant (kernels/write_kv_quant.py), also
+# holds the course's whole write kernel: the write_kernel task's answer, to read after your attempt.
 from kvlab.kernels.write_kv_quant import power_of_two_scale, round_half_even, round_to_e4m3  # noqa: F401
 # Given (not tasks), shared with solutions/ch09.py: read kvlab/scaffold/ch09.py.
 from kvlab.scaffold.ch09 import PIECES, PreemptionCosts, my_quantization_user, write_kv_quantized_with  # noqa: F401
+from kvlab.validation import check_count  # noqa: F401  (TypeError/ValueError for a bad count: help(check_count))
 
 
 # -- task quantize -------------------------------------------------------------------------------
@@ -54,9 +57,13 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, tor
       so ``e = exponent``, except where ``mantissa`` is exactly 0.5: ``ratio`` is a power of two
       already, and ``e = exponent - 1``. Clamp ``e``, then ``torch.ldexp(torch.ones_like(ratio), e)``
       is ``2**e``, exactly. A row of zeros (``amax == 0``) gets scale 1, so nothing divides by 0
-      and the row comes back as zeros, not NaN. Why a power of two: multiplying a code by a
-      power of two only moves its exponent, so every code times its scale is an fp16 number,
-      and a kernel can dequantise a whole tile of K or V exactly into fp16 for the tensor cores.
+      and the row comes back as zeros, not NaN. A row with ``amax > 0`` but so small that
+      ``ratio`` underflows to 0 in float32 (``amax`` below about 3e-43 for fp8, 9e-44 for int8:
+      1e-44, say) is not a row of zeros: it gets the smallest scale, ``2**-15`` (fp8) or
+      ``2**-24`` (int8), not 1 (``frexp(0)`` gives exponent 0: take the bottom of the range).
+      Why a power of two: multiplying a code by a power of two only moves its exponent, so
+      every code times its scale is an fp16 number, and a kernel can dequantise a whole tile of
+      K or V exactly into fp16 for the tensor cores.
       The price: a row's largest value lands in ``(max / 2, max]`` (clamps aside), not on ``max``;
     * ``y = x / scale``, clamped to ``[-max, max]``. With a row's own scale ``y`` overshoots
       ``max`` by a rounding at most, but where ``e`` was clamped at the top (a row past ``448 *
@@ -149,12 +156,15 @@ def preemption_mode(num_tokens: int, bytes_per_token: int, costs: PreemptionCost
     (``swap_seconds(...) < recompute_seconds(...)``). Otherwise, ties included, ``"recompute"``:
     it needs no host memory and no transfer.
 
-    Errors, as the engine's ``kvlab.engine.offload.preemption_mode`` (``kvlab.validation.check_count``):
-    ``num_tokens``, ``bytes_per_token`` and ``host_free_bytes`` must be ints (a bool is not:
-    TypeError) and not negative (ValueError).
+    Errors: check ``num_tokens``, ``bytes_per_token`` and ``host_free_bytes``, in that order,
+    with the given ``check_count(name, value)`` (``help(check_count)``): each must be an int,
+    and a bool, a float (even ``2.0``), a str or None is not: TypeError; an int below 0:
+    ValueError. (The course's engine has its own swap_seconds, recompute_seconds,
+    preemption_mode and crossover_tokens in ``kvlab.engine.offload``: they are this task's and
+    the next one's answers, to read after your own attempt.)
     """
-    raise NotImplementedError("preemption_mode: check the three counts; 'swap' if it fits on the host and "
-                              "swap_seconds < recompute_seconds, else 'recompute'")
+    raise NotImplementedError("preemption_mode: check the three counts with check_count; 'swap' if it fits on "
+                              "the host and swap_seconds < recompute_seconds, else 'recompute'")
 
 
 # -- task crossover ------------------------------------------------------------------------------

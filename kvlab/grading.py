@@ -407,14 +407,19 @@ def solution_tasks(chapter: str) -> list[str]:
 
 
 def solution_source(chapter: str, task: str) -> str:
-    """The reference answer of one task: its section of ``solutions/chNN.py``."""
+    """The reference answer of one task: its section of ``solutions/chNN.py``, up to any given
+    code (``# Given: ...``), and the source of the course's code that the section uses as its answer."""
     tasks = solution_tasks(chapter)
     if task not in tasks:
         raise ValueError(f"task must be one of {chapter}'s tasks {tasks}, got {task!r}")
     text = (ROOT / "solutions" / f"{chapter}.py").read_text()
     section = re.split(r"^# -- task (\w+).*$", text, flags=re.M)
     body = dict(zip(section[1::2], section[2::2]))[task]
-    shown = f"# {chapter}, task {task}: the reference answer (solutions/{chapter}.py)\n" + body.strip() + "\n"
+    # The answer ends where given code begins (a "# Given: ..." comment at the start of a line): the
+    # launchers and use_my_... that follow the last tasks are the scaffold's, not part of an answer.
+    answer = re.split(r"^# Given\b", body, maxsplit=1, flags=re.M)[0].strip()
+    shown = f"# {chapter}, task {task}: the reference answer (solutions/{chapter}.py)\n" + (answer and answer + "\n")
+    # (a course kernel that the given code launches is still the answer: look in the whole section)
     return shown + "".join(_course_source(module, name, local) for module, name, local in _answer_imports(text)
                            if re.search(rf"\b{local}\b", body))
 

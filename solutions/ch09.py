@@ -25,7 +25,9 @@ def quantize_kv(x: torch.Tensor, kv_cache_dtype: str) -> tuple[torch.Tensor, tor
     ratio = amax * (1.0 / qmax)
     mantissa, exponent = torch.frexp(ratio)         # ratio = mantissa * 2**exponent, mantissa in [0.5, 1)
     exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)      # 0.5: ratio is a power of two already
-    exponent = torch.where(ratio > 0, exponent, min_exponent)            # amax so small that ratio is 0
+    # ratio 0: a row of zeros (scale 1, below), or amax > 0 so small (1e-44) that the ratio
+    # underflows to 0: not zeros, so the smallest scale (frexp(0) would give exponent 0, scale 1)
+    exponent = torch.where(ratio > 0, exponent, min_exponent)
     scale = torch.ldexp(torch.ones_like(ratio), exponent.clamp(min_exponent, max_exponent))
     scale = torch.where(amax > 0, scale, torch.ones_like(scale))
     y = (x / scale[..., None]).clamp(-qmax, qmax)

@@ -226,6 +226,10 @@ def test_show_solution_prints_one_tasks_section_and_names_bad_tasks(capsys):
     # a task answered by the course's own kernel reveals that kernel's source too
     kvlab.show_solution("ch02", "write_kv_kernel")
     assert "def write_kv_kernel(" in capsys.readouterr().out
+    # the last task's answer stops where the given code after it begins
+    kvlab.show_solution("ch09", "crossover")
+    shown = capsys.readouterr().out
+    assert "def crossover_tokens" in shown and "use_my_quantization" not in shown
 
 
 def test_loading_a_chapter_leaves_transformers_its_kernels_package():
