@@ -538,8 +538,7 @@ class Scheduler:
         if out.scheduled and out is not self._unrecorded:
             raise ValueError("update() takes the output of the latest schedule(), once")
         samples = out.sample_seqs
-        tokens, logprobs = self._check_results(out, sampled_token_ids, logprobs)
-        emitted = dict(zip(map(id, samples), tokens))
+        tokens, logprobs, emitted = self._check_results(out, samples, sampled_token_ids, logprobs)
         self._unrecorded = None
         for item in out.scheduled:
             self._record_computed(item, len(emitted.get(id(item.seq), (None,))) - 1)
@@ -555,12 +554,12 @@ class Scheduler:
             self._release(seq)
         return finished
 
-    def _check_results(self, out: SchedulerOutput, sampled_token_ids, logprobs=None) -> tuple[list, list]:
-        """``update``'s results as a list of tokens and one of log-probabilities per sample of
-        ``out``, checked before anything changes (ValueError): one entry per sample, token ids
-        in ``0..vocab_size - 1``, 1..``num_logits`` tokens per scheduled sequence that samples, as
+    def _check_results(self, out: SchedulerOutput, samples: list, sampled_token_ids, logprobs=None) -> tuple[list, list, dict]:
+        """``update``'s results as a list of tokens and one of log-probabilities per sequence of
+        ``samples`` (``out.sample_seqs``), and the tokens by ``id`` of their sequence, checked
+        before anything changes (ValueError): one entry per sample, token ids in
+        ``0..vocab_size - 1``, 1..``num_logits`` tokens per scheduled sequence that samples, as
         many log-probabilities as tokens."""
-        samples = out.sample_seqs
         tokens = [[int(t) for t in x] if isinstance(x, (list, tuple)) else [int(x)] for x in sampled_token_ids]
         if len(tokens) != len(samples):
             raise ValueError(f"the step sampled tokens for {len(tokens)} sequences, it ran {len(samples)}")
@@ -579,7 +578,7 @@ class Scheduler:
             if item.samples and not 1 <= got <= item.num_logits:
                 raise ValueError(f"sequence {item.seq.seq_id} emitted {got} tokens; a step gives it "
                                  f"1..{item.num_logits}")
-        return tokens, logprobs
+        return tokens, logprobs, emitted
 
     def _record_computed(self, item: ScheduledSequence, num_accepted: int) -> None:
         """The step computed ``item``'s tokens; of its drafts, ``num_accepted`` were kept."""

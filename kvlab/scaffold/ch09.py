@@ -184,11 +184,11 @@ class SideBySide:
     first_difference: str | None
 
 
-def _stored(kv_cache, layer: int, slots: torch.Tensor):
-    """Layer ``layer``'s K and V codes and scales at ``slots``: four tensors."""
-    k, v = kv_cache.k[layer], kv_cache.v[layer]
-    where = block_and_offset(slots, kv_cache.block_size)
-    return k.flatten(0, 1)[slots], v.flatten(0, 1)[slots], kv_cache.k_scale[layer][where], kv_cache.v_scale[layer][where]
+def _stored(kv_cache, layer: int, slots: torch.Tensor, where) -> tuple:
+    """Layer ``layer``'s K codes, V codes, K scales and V scales at ``slots`` (``where``: their
+    ``block_and_offset``)."""
+    return (kv_cache.k[layer].flatten(0, 1)[slots], kv_cache.v[layer].flatten(0, 1)[slots],
+            kv_cache.k_scale[layer][where], kv_cache.v_scale[layer][where])
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -196,14 +196,14 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int32)
 
 
-def _difference(mine, course, layer: int, slots: torch.Tensor, block_size: int) -> str | None:
-    """The first slot where ``mine`` and ``course`` (from :func:`_stored`) differ, in words."""
+def _difference(mine, course, slots: torch.Tensor, block_size: int) -> str | None:
+    """The first element where layer 0's ``mine`` and ``course`` (from :func:`_stored`) differ, in words."""
     for name, a, b in zip(("K codes", "V codes", "K scales", "V scales"), mine, course):
         same = _bits(a) == _bits(b)
         if not bool(same.all()):
             bad = (~same).nonzero()[0].tolist()
             slot = int(slots[bad[0]])
-            where = f"layer {layer}, slot {slot} (block {slot // block_size}, offset {slot % block_size}), KV head {bad[1]}"
+            where = f"layer 0, slot {slot} (block {slot // block_size}, offset {slot % block_size}), KV head {bad[1]}"
             if len(bad) == 3:
                 where += f", position {bad[2]}"
             mine_value, course_value = float(a[tuple(bad)].float()), float(b[tuple(bad)].float())
@@ -219,8 +219,9 @@ def serve_beside(mine, course, prompts, sampling_params) -> SideBySide:
     runner = mine.model_runner
     if not hasattr(runner, "slots_written"):
         raise ValueError("serve_beside: `mine` must be an LLM that use_my_quantization set up with a piece of yours")
+    mine_cache, course_cache = runner.kv_cache, course.model_runner.kv_cache
     ids = [(mine.add_request(p, sampling_params), course.add_request(p, sampling_params)) for p in prompts]
-    done_mine, done_course, checked, layer0, same, total, first = {}, {}, 0, True, 0, 0, None
+    done_mine, done_course, checked, same, total, first = {}, {}, 0, 0, 0, None
     while mine.has_unfinished_requests() or course.has_unfinished_requests():
         runner.slots_written = None
         for llm, done in ((mine, done_mine), (course, done_course)):
@@ -229,20 +230,17 @@ def serve_beside(mine, course, prompts, sampling_params) -> SideBySide:
         if slots is None or not slots.numel():
             continue
         checked += slots.numel()
-        for layer in range(mine.model_runner.kv_cache.num_layers):
-            a = _stored(mine.model_runner.kv_cache, layer, slots)
-            b = _stored(course.model_runner.kv_cache, layer, slots)
-            difference = _difference(a, b, layer, slots, mine.model_runner.kv_cache.block_size)
-            if layer == 0:
-                layer0 = layer0 and difference is None
-                first = first or difference
-            else:
-                same += int((_bits(a[0]) == _bits(b[0])).sum() + (_bits(a[1]) == _bits(b[1])).sum())
-                total += a[0].numel() + a[1].numel()
+        where = block_and_offset(slots, mine_cache.block_size)
+        first = first or _difference(_stored(mine_cache, 0, slots, where), _stored(course_cache, 0, slots, where),
+                                     slots, mine_cache.block_size)
+        for layer in range(1, mine_cache.num_layers):          # the codes of the later layers, counted
+            for a, b in zip(_stored(mine_cache, layer, slots, where)[:2], _stored(course_cache, layer, slots, where)[:2]):
+                same += int((_bits(a) == _bits(b)).sum())
+                total += a.numel()
     errors = [f"request {m}: {done_mine[m].error}" for m, _ in ids if done_mine[m].error]
     return SideBySide([list(done_mine[m].outputs[0].token_ids) for m, _ in ids],
                       [list(done_course[c].outputs[0].token_ids) for _, c in ids],
-                      errors, checked, layer0 and checked > 0, same / total if total else 0.0, first)
+                      errors, checked, first is None and checked > 0, same / total if total else 0.0, first)
 
 
 # -- your preemption_mode in the engine ---------------------------------------------------------
