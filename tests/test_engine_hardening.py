@@ -429,6 +429,8 @@ def test_the_scheduler_refuses_what_it_cannot_run():
         scheduler.update(out, [7], [[0.0, 0.0]])        # one token, two log-probabilities
     with pytest.raises(ValueError, match=">= 0"):
         scheduler.update(out, [-1])
+    with pytest.raises(TypeError, match="sampled token ids must be ints"):
+        scheduler.update(out, [None])                   # a sample left without a token
     assert seq.num_computed_tokens == 0 and seq.output_token_ids == []
     scheduler.update(out, [7])                          # the same step, recorded once it is right
     assert seq.output_token_ids == [7]

@@ -242,6 +242,40 @@ def test_parallel_samples_abort_and_the_context_limit():
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft"])
+def test_drafts_stop_at_the_end_of_the_cache(spec):
+    """A sequence that ends filling every slot of a small cache: its last steps propose fewer
+    drafts instead of booking slots the cache does not have (which failed the step), and its
+    tokens are those of an engine without speculation."""
+    plain = LLM(num_gpu_blocks=3, block_size=16, enable_prefix_caching=True)
+    prompt = plain.tokenizer.encode(PROMPTS[0]).ids
+    params = SamplingParams(temperature=0, max_tokens=3 * 16 + 1 - len(prompt), ignore_eos=True)
+    want = plain.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    llm = LLM(num_gpu_blocks=3, block_size=16, enable_prefix_caching=True, speculative_config=spec)
+    got = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    assert got.error is None and got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert len(prompt) + len(got.outputs[0].token_ids) - 1 == llm.pool.capacity     # every slot used
+    assert llm.spec_decode_stats.num_drafts > 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft"])
+def test_samples_fork_off_a_prompt_whose_last_chunk_is_one_token(spec):
+    """A 9-token prompt in chunks of 8: its last chunk is one token, computed as a decode is.
+    Its n = 2 samples fork off that step, so it takes no drafts (they were left without a
+    token, and the step failed); greedy, each sample equals the engine without speculation."""
+    plain = LLM(max_num_batched_tokens=8, max_num_seqs=2)
+    prompt = plain.tokenizer.encode(PROMPTS[1]).ids[:9]
+    params = SamplingParams(temperature=0, n=2, max_tokens=12, ignore_eos=True)
+    want = plain.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    llm = LLM(max_num_batched_tokens=8, max_num_seqs=2, speculative_config=spec)
+    got = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)[0]
+    assert got.error is None
+    assert [c.token_ids for c in got.outputs] == [c.token_ids for c in want.outputs]
+    assert llm.spec_decode_stats.num_drafts > 0
+    assert_no_leak(llm)
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), k=st.integers(1, 5), block_size=st.sampled_from([2, 4, 16]))
 def test_rollback_never_caches_an_unverified_token(seed, k, block_size):

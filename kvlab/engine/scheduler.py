@@ -560,7 +560,11 @@ class Scheduler:
         before anything changes (ValueError): one entry per sample, token ids in
         ``0..vocab_size - 1``, 1..``num_logits`` tokens per scheduled sequence that samples, as
         many log-probabilities as tokens."""
-        tokens = [[int(t) for t in x] if isinstance(x, (list, tuple)) else [int(x)] for x in sampled_token_ids]
+        try:
+            tokens = [[int(t) for t in x] if isinstance(x, (list, tuple)) else [int(x)] for x in sampled_token_ids]
+        except (TypeError, ValueError):
+            raise TypeError(f"sampled token ids must be ints (a list of them per sequence), "
+                            f"got {list(sampled_token_ids)!r}") from None
         if len(tokens) != len(samples):
             raise ValueError(f"the step sampled tokens for {len(tokens)} sequences, it ran {len(samples)}")
         top = self.vocab_size or math.inf

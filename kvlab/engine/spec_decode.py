@@ -81,13 +81,18 @@ class SpeculativeConfig:
 def propose_drafts(proposer, scheduler, out, max_model_len: int):
     """Drafts for every decoding sequence of step ``out``, booked in the pool with
     ``scheduler.add_draft_tokens`` and padded with -1 up to k, so that the step stays uniform
-    (k + 1 tokens per sequence: a CUDA graph on a GPU). Returns the proposer's probabilities,
+    (k + 1 tokens per sequence: a CUDA graph on a GPU), or fewer where ``max_model_len`` or the
+    whole cache leaves fewer slots, and none for a sequence that forks samples. Returns the proposer's probabilities,
     a row per decoding sequence in step order (None for deterministic drafts)."""
     items = [s for s in out.scheduled if not s.is_prefill]
     if not items:
         return None
     k = scheduler.num_lookahead_tokens
-    room = [max(0, min(k, max_model_len - s.seq.num_tokens)) for s in items]
+    pool = scheduler.pool        # a draft needs a slot: fewer drafts near the context's or the cache's end
+    limit = min(max_model_len, pool.num_blocks * pool.block_size)
+    # A prompt whose last token is all its chunk left looks like a decode; if it forks samples
+    # this step (n > 1), each of them samples its own token: no drafts for it.
+    room = [0 if s.forks else max(0, min(k, limit - s.seq.num_tokens)) for s in items]
     drafts, probs = proposer.propose([s.seq for s in items], room)
     if any(drafts):
         for item, d, r in zip(items, drafts, room):
