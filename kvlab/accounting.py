@@ -198,9 +198,9 @@ def _read_config(path_or_dict) -> tuple[dict, str]:
 
 
 # -- bytes ----------------------------------------------------------------------------------
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}
-_DTYPE_ALIASES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16",
-                  "half": "fp16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
+DTYPE_BYTES = {"fp64": 8, "fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1}   # fp64: the tests' models
+_DTYPE_ALIASES = {"float64": "fp64", "double": "fp64", "float32": "fp32", "float": "fp32", "bfloat16": "bf16",
+                  "float16": "fp16", "half": "fp16", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8"}
 
 
 def dtype_bytes(dtype: str) -> int:

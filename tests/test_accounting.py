@@ -55,6 +55,7 @@ def test_kv_bytes_per_token_formula(layers, kv_heads, head_dim, dtype):
 
 def test_dtype_aliases_and_errors():
     assert acc.dtype_bytes("bfloat16") == 2 and acc.dtype_bytes("FP8_E4M3") == 1
+    assert acc.dtype_bytes("float64") == 8          # a float64 model's cache (a draft model's, say)
     with pytest.raises(ValueError, match="dtype"):
         acc.kv_bytes_per_token("llama-3-8b", "int4")
     with pytest.raises(TypeError, match="dtype"):

@@ -1,5 +1,7 @@
 """The engine under stress: a failed step, tenants, concurrent callers, bad input, and a
 hypothesis state machine that adds, aborts, steps and fails steps at random."""
+import random
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 import kvlab  # noqa: F401  (profile first)
 from kvlab import LLM, SamplingParams
 from kvlab.models import LlamaForCausalLM, ModelConfig
+from kvlab.engine.model_runner import block_bytes
 from kvlab.paging import BlockPool
 
 BLOCK = 4
@@ -224,15 +227,17 @@ class EngineMachine:
 
     model = micro_model()
 
-    def __init__(self):
-        self.llm = engine(self.model, enable_prefix_caching=True, num_gpu_blocks=9, max_num_seqs=3)
+    def __init__(self, **settings):
+        self.settings = {"enable_prefix_caching": True, "num_gpu_blocks": 9, "max_num_seqs": 3, **settings}
+        self.llm = engine(self.model, **self.settings)
         self.prompts, self.done, self.aborted = {}, {}, set()
         self.verified = {}                       # hash -> block whose K/V was checked
 
-    def add(self, prompt, shared, tokens):
+    def add(self, prompt, shared, tokens, n=1):
         if shared and self.prompts:                  # share a prefix with an earlier prompt
             prompt = list(self.prompts.values())[-1][0][:8] + prompt[:6]
-        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True) if n == 1 else \
+            SamplingParams(temperature=0.8, n=n, seed=tokens, max_tokens=tokens, ignore_eos=True)
         rid = self.llm.add_request(prompt, params)
         self.prompts[rid] = (prompt, params)
 
@@ -256,7 +261,12 @@ class EngineMachine:
             for b in table:
                 counts[b] += 1
         assert counts == pool.ref_counts
-        self.check_cached_blocks()
+        sched = self.llm.scheduler
+        if sched.host_blocks is not None:         # each host block is free or one swapped sequence's
+            booked = sum(len(s.host_blocks) for s in sched.swapped) + len(sched._host_to_free)
+            assert booked + sched.host_blocks.num_free_blocks == sched.host_blocks.num_blocks
+        if self.settings.get("kv_cache_dtype", "auto") == "auto":
+            self.check_cached_blocks()
 
     def check_cached_blocks(self):
         """Every cached hash names a block whose K equals a fresh prefill of the tokens it hashes
@@ -281,6 +291,12 @@ class EngineMachine:
                 break
             self.step()
         assert_idle_and_clean(self.llm)
+        sched = self.llm.scheduler
+        if sched.host_blocks is not None:
+            sched.schedule()                      # host blocks are given back a step after their copy
+            assert sched.host_blocks.num_free_blocks == sched.host_blocks.num_blocks
+        dtype = self.settings.get("kv_cache_dtype", "auto")
+        reference = None if dtype == "auto" else engine(self.model, kv_cache_dtype=dtype)
         for rid, (prompt, params) in self.prompts.items():
             if rid in self.aborted:
                 continue
@@ -288,7 +304,13 @@ class EngineMachine:
             if out.error:
                 assert "injected failure" in out.error
                 continue
-            assert out.outputs[0].token_ids == alone(self.model, prompt, params)
+            if params.temperature > 0:
+                assert len(out.outputs) == params.n
+            elif reference is None:
+                assert out.outputs[0].token_ids == alone(self.model, prompt, params)
+            else:                                 # a quantised cache: the same cache, served alone
+                [want] = reference.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+                assert out.outputs[0].token_ids == want.outputs[0].token_ids
 
 
 PROMPTS = st.lists(st.integers(1, 63), min_size=1, max_size=14)
@@ -299,19 +321,59 @@ ACTIONS = st.one_of(
 )
 
 
-@settings(max_examples=6, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
-@given(st.data())
-def test_engine_state_machine(data):
-    """300 random actions per example (more steps than adds: requests run to their end)."""
-    machine = EngineMachine()
-    for _ in range(300):
-        action = data.draw(ACTIONS)
+def run_machine(machine, data, actions, num_actions=300):
+    for _ in range(num_actions):
+        action = data.draw(actions)
         if action[0] == "add" and len(machine.llm.requests) < 6:
             machine.add(*action[1:])
         elif action[0] == "abort" and machine.llm.requests:
             machine.abort(sorted(machine.llm.requests)[action[1] % len(machine.llm.requests)])
         else:
             machine.step(fail=action[0] == "step" and action[1])
+        machine.check()
+    machine.finish()
+
+
+@settings(max_examples=6, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_engine_state_machine(data):
+    """300 random actions per example (more steps than adds: requests run to their end)."""
+    run_machine(EngineMachine(), data, ACTIONS)
+
+
+def draft_model():
+    model = micro_model()
+    model.reset_parameters(std=0.3, seed=5)
+    return model.double().eval()
+
+
+BLOCK_BYTES = {dtype: block_bytes(micro_model().config, BLOCK, torch.float64, dtype) for dtype in ("auto", "fp8", "int8")}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+@settings(max_examples=16, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.integers(0, 2**32 - 1))
+def test_engine_state_machine_with_every_feature(seed):
+    """The same on an engine that also swaps to the host, keeps evicted prefix blocks there,
+    quantises its cache, computes prompts in chunks, speculates and forks n = 2 samples (the
+    settings and 200 actions drawn from ``seed``): nothing leaks in either tier, and greedy
+    output is what the same cache gives a prompt served alone."""
+    rng = random.Random(seed)
+    dtype = rng.choice(["auto", "fp8", "int8"])
+    spec = rng.choice([None, NGRAM, {"method": "draft_model", "model": draft_model(), "num_speculative_tokens": 2}])
+    machine = EngineMachine(kv_cache_dtype=dtype, swap_space=rng.choice([0, 16, 32]) * BLOCK_BYTES[dtype] / 2**30,
+                            preemption_mode=rng.choice(["swap", "auto", "recompute"]),
+                            max_num_batched_tokens=rng.choice([8, 12, 64]), speculative_config=spec,
+                            long_prefill_token_threshold=rng.choice([0, 3]), num_gpu_blocks=8, max_num_seqs=4)
+    for _ in range(200):
+        action = rng.random()
+        if action < 0.3 and len(machine.llm.requests) < 6:
+            prompt = [rng.randrange(1, 64) for _ in range(rng.randrange(1, 15))]
+            machine.add(prompt, rng.random() < 0.5, rng.randrange(1, 11), n=rng.choice([1, 1, 1, 2]))
+        elif action < 0.33 and machine.llm.requests:
+            machine.abort(rng.choice(sorted(machine.llm.requests)))
+        else:
+            machine.step(fail=rng.random() < 0.15)
         machine.check()
     machine.finish()
 
