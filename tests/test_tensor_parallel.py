@@ -9,6 +9,7 @@ import gc
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,3 +257,19 @@ def test_a_dead_worker_stops_the_engine_with_a_clear_error(hf_checkpoint):
     finally:
         llm.close()
     assert worker.exitcode == -signal.SIGKILL and not torch.distributed.is_initialized()
+
+
+def test_a_script_without_a_main_guard_is_told_why_its_workers_died(tmp_path):
+    """Workers are spawned: each imports the script first, so a script that builds the engine
+    at its top level builds it again in every worker, which dies. The error says what to do."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "serve.py"
+    script.write_text("from kvlab import LLM\nLLM(tensor_parallel_size=2, device=\"cpu\")\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(kvlab.__file__).parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0
+    assert 'before it started. From a script, build the engine under `if __name__ == "__main__":`' in run.stderr

@@ -74,7 +74,7 @@ class TensorParallelWorkers:
         devices = rank_devices(device, size)
         backend = "nccl" if devices[0].type == "cuda" else "gloo"
         init = f"tcp://127.0.0.1:{free_port()}"
-        self.dtype, self.device, self.dead = dtype, devices[0], None
+        self.dtype, self.device, self.dead, self.started = dtype, devices[0], None, False
         self.procs, self.conns = [], []
         spawn = torch.multiprocessing.get_context("spawn")
         for rank in range(1, size):
@@ -90,6 +90,7 @@ class TensorParallelWorkers:
             torch.set_num_threads(threads_per_rank(size))
         try:
             self._expect("started")
+            self.started = True
             if devices[0].type == "cuda":
                 torch.cuda.set_device(devices[0])
             dist.init_process_group(backend, init_method=init, rank=0, world_size=size,
@@ -150,13 +151,20 @@ class TensorParallelWorkers:
 
     def _obituary(self, ranks: list[int]) -> str:
         """What happened to the workers of ``ranks``, in words (with their own error, if sent)."""
-        lines = []
+        lines, reported = [], False
         for rank in ranks:
             proc, conn = self.procs[rank - 1], self.conns[rank - 1]
             line = f"tensor-parallel worker rank {rank} (pid {proc.pid}) died, exit code {proc.exitcode}"
             report = _last_error(conn)
+            reported = reported or report is not None
             lines.append(line + (f"; its error:\n{report}" if report else ""))
-        return "; ".join(lines) + ". The engine cannot go on: close it (llm.close()) and start a new one."
+        text = "; ".join(lines)
+        if not self.started and not reported:
+            # a worker is a new interpreter that first imports the main module: a script that
+            # builds the engine at its top level builds it again in there, and the worker dies
+            text += ("; before it started. From a script, build the engine under "
+                     "`if __name__ == \"__main__\":` (each worker imports the script again)")
+        return text + ". The engine cannot go on: close it (llm.close()) and start a new one."
 
     def _expect(self, word: str) -> None:
         """Wait (bounded, watching that they live) until every worker has said ``word``."""
