@@ -250,6 +250,11 @@ def test_stop_strings_cut_the_text(checkpoint, reference):
     c = out.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.token_ids == free_run[:k] and c.text == before
+    # completed by the last token max_tokens allows: still a stop, as in vLLM
+    [out] = llm.generate([PROBE], SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, stop=[stop]),
+                         use_tqdm=False)
+    c = out.outputs[0]
+    assert (c.finish_reason, c.stop_reason, c.text, c.token_ids) == ("stop", stop, before, free_run[:k])
     assert_pool_empty(llm)
 
 

@@ -214,6 +214,27 @@ def test_greedy_speculation_equals_greedy(spec, baseline):
 
 
 @pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft"])
+def test_stop_strings_end_speculation_where_they_end_plain_decoding(spec, baseline):
+    """A stop string completed by an accepted draft ends the output at that token: the tokens
+    after it, emitted in the same step, are taken back (text, tokens and log-probability are
+    those of decoding without speculation)."""
+    plain, llm = LLM(max_num_seqs=8), LLM(max_num_seqs=8, speculative_config=spec)
+    texts = [plain.tokenizer.decode(ids) for ids in baseline]
+    params = [SamplingParams(temperature=0, max_tokens=40, stop=[t[a:a + 2]])
+              for t in texts for a in (len(t) // 4, len(t) // 2, 3 * len(t) // 4)]
+    prompts = [p for p in PROMPTS for _ in range(3)]
+    want = plain.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
+    for g, w in zip(got, want):
+        g, w = g.outputs[0], w.outputs[0]
+        assert (g.text, g.token_ids, g.finish_reason, g.stop_reason) == (w.text, w.token_ids, w.finish_reason,
+                                                                         w.stop_reason)
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+    assert all(w.outputs[0].finish_reason == "stop" for w in want)
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("spec", [NGRAM, DRAFT], ids=["ngram", "draft"])
 def test_seeded_sampling_repeats(spec):
     params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=s) for s in (1, 2, 3)]
     runs = [[o.outputs[0].token_ids for o in LLM(max_num_seqs=4, speculative_config=spec).generate(

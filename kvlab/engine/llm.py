@@ -37,7 +37,7 @@ import torch
 
 from kvlab import profile
 from kvlab.engine.config import EngineConfig
-from kvlab.engine.detokenizer import detokenize
+from kvlab.engine.detokenizer import TextState, detokenize
 from kvlab.engine.inputs import params_per_prompt, prompt_item, prompt_items
 from kvlab.engine.model_runner import ModelRunner, block_bytes
 from kvlab.engine.offload import HostBlockAllocator, HostPrefixCache, default_costs
@@ -307,6 +307,7 @@ class LLM:
                 tokens, logprobs = self._sample(out, logits, draft_probs)
                 # update checks the samples before it records anything: a sampler (yours, say) that
                 # returns ids outside the vocabulary or too many tokens fails the step here
+                num_before = [s.num_output_tokens for s in out.sample_seqs]
                 finished = self.scheduler.update(out, tokens, logprobs)
             except EngineDeadError:
                 raise
@@ -315,7 +316,7 @@ class LLM:
             else:
                 ended += finished
                 self._after_verification(out, tokens)
-                ended += self._check_stop_strings(out.sample_seqs)
+                ended += self._check_stop_strings(out.sample_seqs, logprobs, num_before)
         elif not ended and not out.swapped_in and self.scheduler.has_unfinished():
             raise RuntimeError("the scheduler could not run anything: no request fits (a bug)")
         self._forget_drafts([*ended, *out.preempted])
@@ -446,17 +447,39 @@ class LLM:
         """``seq``'s output as text, decoding only what is new since the last call."""
         return detokenize(self.tokenizer, seq.output_token_ids, seq.text_state)
 
-    def _check_stop_strings(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Finish the sequences whose text now contains one of their stop strings."""
+    def _check_stop_strings(self, seqs: list[Sequence], logprobs: list, num_before: list[int]) -> list[Sequence]:
+        """Finish the step's sequences whose text now holds one of their stop strings; returns
+        those it finished. ``logprobs``: the step's, per sequence (a list: accepted drafts);
+        ``num_before``: their output lengths before the step. As in vLLM, a stop string wins over
+        ``max_tokens`` reached in the same step."""
         stopped = []
-        for seq in seqs:
-            if seq.is_finished or not seq.params.stop_strings:
+        for seq, step_logprobs, before in zip(seqs, logprobs, num_before):
+            if not seq.params.stop_strings or (seq.is_finished and seq.finish_reason != "length"):
                 continue
             hit = _first_stop(self._decode(seq), seq.params.stop_strings)
-            if hit is not None:
+            if hit is None:
+                continue
+            emitted = seq.num_output_tokens - before
+            if emitted > 1:
+                self._cut_at_stop(seq, list(step_logprobs)[:emitted])
+            if seq.is_finished:            # by max_tokens: already released, now a stop
+                seq.finish("stop", stop_reason=hit[1])
+            else:
                 self.scheduler.finish_sequence(seq, "stop", stop_reason=hit[1])
                 stopped.append(seq)
         return stopped
+
+    def _cut_at_stop(self, seq: Sequence, step_logprobs: list[float]) -> None:
+        """A step that emitted several tokens keeps those up to the one that completed the stop
+        string, as steps of one token would have: speculation never changes the output."""
+        out, stops = seq.output_token_ids, seq.params.stop_strings
+        keep = len(out)                 # the text before this step had no stop string
+        while keep > len(out) - len(step_logprobs) + 1 and \
+                _first_stop(self.tokenizer.decode(out[:keep - 1], skip_special_tokens=True), stops) is not None:
+            keep -= 1
+        if keep < len(out):
+            seq.drop_last_tokens(step_logprobs[keep - len(out):])
+            seq.text_state = TextState()          # decoded again from the start, once
 
     def _text(self, seq: Sequence) -> str:
         text = self._decode(seq)

@@ -138,6 +138,13 @@ class Sequence:
         self.token_ids.append(int(token_id))
         self.cumulative_logprob += float(logprob)
 
+    def drop_last_tokens(self, logprobs: list[float]) -> None:
+        """Take back the newest ``len(logprobs)`` output tokens, whose log-probabilities those are."""
+        if not 0 < len(logprobs) <= self.num_output_tokens:
+            raise ValueError(f"can drop 1..{self.num_output_tokens} output tokens, got {len(logprobs)}")
+        del self.token_ids[-len(logprobs):]
+        self.cumulative_logprob -= sum(float(v) for v in logprobs)
+
     # -- state changes --------------------------------------------------------------------
     def check_stop(self, eos_token_ids=(), max_model_len: int | None = None) -> bool:
         """After a new token: finish (and say so) if a token rule ends the sequence.
