@@ -274,6 +274,9 @@ def test_each_bad_request_fails_alone(checkpoint, reference):
         ([1] * 60, GREEDY, "KV cache"),
         ([1, 10_000], GREEDY, "token"),
         ([1, 2], SamplingParams(n=300), "max_num_seqs"),
+        ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, GREEDY, "takes the keys"),
+        ("\udcff", GREEDY, "not valid text"),
+        (torch.tensor([1, 2]), GREEDY, ".tolist()"),
     ]
     prompts = [good[0]] + [c[0] for c in cases] + [good[1]]
     params = [GREEDY] + [c[1] for c in cases] + [GREEDY]
@@ -282,6 +285,16 @@ def test_each_bad_request_fails_alone(checkpoint, reference):
     for (_, _, word), out in zip(cases, outs[1:-1]):
         assert out.finished and out.outputs == [] and out.error and word in out.error, (word, out.error)
     assert_pool_empty(llm)
+
+
+def test_token_ids_of_other_integer_types_are_taken(checkpoint):
+    import numpy as np
+
+    llm = LLM(checkpoint, block_size=BLOCK, num_gpu_blocks=6)
+    prompts = [[np.int64(3), 4, 5], {"prompt_token_ids": [np.int32(3), torch.tensor(4), 5]}]
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.error for o in outs] == [None, None] and [o.prompt_token_ids for o in outs] == [[3, 4, 5]] * 2
+    assert all(type(t) is int for o in outs for t in o.prompt_token_ids)
 
 
 def test_a_request_that_outgrows_the_cache_fails_with_its_tokens_so_far(checkpoint):

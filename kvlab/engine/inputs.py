@@ -5,12 +5,27 @@ or ``("bad", prompt, None)`` (the engine turns the last into an error for that r
 """
 from __future__ import annotations
 
+import operator
+
 from kvlab.engine.sampling_params import SamplingParams
+
+PROMPT_KEYS = {"prompt", "prompt_token_ids", "cache_salt"}     # of a prompt given as a dict
 
 
 def is_token_list(x) -> bool:
-    """A list of ints (token ids), bools excluded."""
-    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    """A list of integers (token ids), bools excluded."""
+    return isinstance(x, (list, tuple)) and all(isinstance(as_token_id(t), int) and not isinstance(t, bool) for t in x)
+
+
+def as_token_id(t):
+    """``t`` as an int if it is an integer of another type (numpy's, a one-element tensor's);
+    anything else as it is, for the engine to refuse with the prompt's other faults."""
+    if isinstance(t, int) or isinstance(t, bool):
+        return t
+    try:
+        return operator.index(t)
+    except TypeError:
+        return t
 
 
 def prompt_item(p):
@@ -24,6 +39,8 @@ def _prompt_kind(p):
     if isinstance(p, str):
         return ("text", p)
     if isinstance(p, dict):
+        if set(p) - PROMPT_KEYS:
+            return ("bad", p)
         if "prompt_token_ids" in p:
             return _prompt_kind(list(p["prompt_token_ids"])) if is_token_list(p["prompt_token_ids"]) else ("bad", p)
         if "prompt" in p:

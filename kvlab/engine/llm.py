@@ -38,7 +38,7 @@ import torch
 from kvlab import profile
 from kvlab.engine.config import EngineConfig
 from kvlab.engine.detokenizer import TextState, detokenize
-from kvlab.engine.inputs import params_per_prompt, prompt_item, prompt_items
+from kvlab.engine.inputs import PROMPT_KEYS, as_token_id, params_per_prompt, prompt_item, prompt_items
 from kvlab.engine.model_runner import ModelRunner, block_bytes
 from kvlab.engine.offload import HostBlockAllocator, HostPrefixCache, default_costs
 from kvlab.engine.outputs import CompletionOutput, RequestOutput
@@ -398,11 +398,19 @@ class LLM:
         if kind == "text":
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompt_token_ids instead of text")
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"the prompt is not valid text: {e}") from None
             return value, list(self.tokenizer.encode(value).ids), salt
         if kind == "ids":
-            return None, list(value), salt
+            return None, [as_token_id(t) for t in value], salt
+        unknown = sorted(set(value) - PROMPT_KEYS) if isinstance(value, dict) else []
+        if unknown:
+            raise ValueError(f"a prompt dict takes the keys {sorted(PROMPT_KEYS)}, got {unknown}")
+        hint = " (an array or a tensor: pass .tolist())" if hasattr(value, "tolist") else ""
         raise ValueError(f"a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
-                         f"'prompt_token_ids', got {value!r}")
+                         f"'prompt_token_ids', got {value!r}{hint}")
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         """Raise a ValueError for a prompt the engine cannot serve."""
