@@ -107,6 +107,27 @@ def test_a_wrong_slot_mapping_changes_the_text(solutions, engine_tokens):
     assert got != engine_tokens
 
 
+def test_same_outputs_names_the_error_or_the_first_difference(solutions, capsys):
+    """The notebooks' verdict: a piece that raises inside the engine fails its step, and the
+    error is printed; a piece that runs but is wrong is shown at its first different token."""
+    from kvlab.scaffold import same_outputs
+
+    want = LLM(**ENGINE).generate(PROMPTS, GREEDY, use_tqdm=False)
+
+    def broken(table, start, num_tokens, block_size):
+        raise IndexError("my slot_mapping is off by one")
+
+    llm = LLM(**ENGINE)
+    my_pieces_user(solutions.BlockPool, broken, solutions.write_kv)(llm, ["slot_mapping"])
+    assert not same_outputs(llm.generate(PROMPTS, GREEDY, use_tqdm=False), want)
+    printed = capsys.readouterr().out
+    assert printed.count("IndexError: my slot_mapping is off by one") == 1   # each error once
+    assert same_outputs(want, want) and capsys.readouterr().out == ""
+    other = LLM(**ENGINE).generate(PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=8), use_tqdm=False)
+    assert not same_outputs(other, want)
+    assert "request 0, sample 0 differs first at token" in capsys.readouterr().out
+
+
 def test_stubs_leave_the_engine_its_own_pieces():
     llm = LLM(**ENGINE)
     pool, runner = llm.pool, llm.model_runner

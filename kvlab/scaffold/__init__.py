@@ -26,3 +26,28 @@ def check_pieces(pieces, allowed) -> None:
     """Refuse ``pieces`` unless it is a collection of names among ``allowed`` (a chapter's ``PIECES``)."""
     if isinstance(pieces, str) or set(pieces) - set(allowed):
         raise ValueError(f"pieces must be a collection of names among {allowed}, got {pieces!r}")
+
+
+def same_outputs(got, want) -> bool:
+    """Whether the ``RequestOutput`` lists ``got`` (an engine on your pieces) and ``want`` (the
+    course's engine) hold the same tokens, every sample of every request. Prints what differs:
+    each distinct error of a failed request (a piece that raised inside the engine fails its
+    step), and the first token that differs."""
+    same, errors = len(got) == len(want), []
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g.error:
+            if g.error not in errors:
+                errors.append(g.error)
+                print(f"request {i} failed: {g.error}")
+            same = False
+            continue
+        for mine, theirs in zip(g.outputs, w.outputs):
+            a, b = mine.token_ids, theirs.token_ids
+            if a != b:
+                k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                where = f"token {k}: {a[k] if k < len(a) else 'none'} where the course's engine has " \
+                        f"{b[k] if k < len(b) else 'none'}"
+                print(f"request {i}, sample {mine.index} differs first at {where}")
+                same = False
+                break
+    return same
