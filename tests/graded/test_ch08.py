@@ -78,6 +78,16 @@ def test_threshold_caps_every_chunk(ch08):
     assert run(ch08, [], [], 10) == [] and run(ch08, [RunningRequest("A", 5, 5 + 1)], [], 1) == [("A", 5, 1)]
 
 
+@pytest.mark.task("budgeted_step")
+def test_the_budget_limits_decodes_too(ch08):
+    running = [RunningRequest("A", 0, 20), RunningRequest("B", 4, 5), RunningRequest("C", 6, 7),
+               RunningRequest("D", 2, 3)]
+    assert run(ch08, running, [WaitingRequest("W", 3)], 2) == [("B", 4, 1), ("C", 6, 1)], \
+        "budget 2, three decodes: B and C decode; D and A get nothing this step (a decode costs a token of the budget)"
+    assert run(ch08, running[:2], [WaitingRequest("W", 3)], 1) == [("B", 4, 1)], \
+        "the decode takes the whole budget: A's chunk would be 0 tokens, so A is not in the step at all"
+
+
 def engine_state(scheduler):
     running = [RunningRequest(s.request_id, s.num_computed_tokens, s.num_tokens) for s in scheduler.running]
     waiting = [WaitingRequest(s.request_id, s.num_tokens) for s in scheduler.waiting]
@@ -146,6 +156,27 @@ def test_latency_metrics_worked_example(ch08):
 
 
 @pytest.mark.task("metrics")
+def test_latency_metrics_count_only_measured_tokens(ch08):
+    arrivals = {"a": 0.0, "b": 0.0, "c": 0.0}
+    events = [("b", 3.5), ("a", 1.0), ("b", 3.0), ("a", 1.5), ("b", 4.5)]     # c: no token yet
+    got = ch08.latency_metrics(arrivals, events)
+    assert (got.ttft_p50, got.ttft_p99) == pytest.approx((2.0, 1.0 + 0.99 * 2.0)), \
+        "TTFTs are a's 1.0 and b's 3.0: c has no token, so it has no TTFT (not a TTFT of 0)"
+    unmeasured = [("x", 7.0), ("x", 9.0), ("x", 11.0), ("x", 13.0)]
+    got = ch08.latency_metrics(arrivals, events + unmeasured)
+    assert (got.itl_p50, got.itl_p99) == pytest.approx((0.5, 0.5 + 0.98 * 0.5)), \
+        "ITLs are a's 0.5 and b's 0.5, 1.0: x is not in arrivals, so none of its tokens count (no TTFT, no gaps)"
+
+
+@pytest.mark.task("metrics")
+def test_latency_metrics_tokens_at_the_same_time(ch08):
+    got = ch08.latency_metrics({"a": 0.0}, [("a", 1.0), ("a", 2.0), ("a", 1.0), ("a", 1.0)])
+    assert (got.itl_p50, got.itl_p99) == pytest.approx((0.0, 0.98)), \
+        "4 tokens, 3 of them at t=1.0 (a step that accepted drafts): 3 gaps, 0, 0 and 1.0"
+    assert (got.ttft_p50, got.ttft_p99) == pytest.approx((1.0, 1.0))
+
+
+@pytest.mark.task("metrics")
 @pytest.mark.parametrize("static", [False, True])
 def test_latency_metrics_match_summarize_on_a_replayed_trace(ch08, static):
     """A Poisson trace replayed on the real scheduler in virtual time; some requests are too
@@ -188,6 +219,14 @@ def test_the_youngest_go_first_and_no_more_than_needed(ch08):
     assert victims(ch08, [4, 1, 1], 2, 1) == [2], "the youngest needs room: nobody older goes, it waits itself"
     assert victims(ch08, [4], 0, 1) == [0], "alone and short: itself (the engine then fails it)"
     assert victims(ch08, [1, 1, 1, 1], 1, 5, scheduled={3}) == [2, 1], "never a scheduled one, never an older one"
+
+
+@pytest.mark.task("preemption")
+def test_a_candidate_that_frees_no_block_still_goes_in_its_turn(ch08):
+    assert victims(ch08, [2, 1, 0, 1, 0], 0, 1) == [4, 3], \
+        "4 frees no block (its blocks are all shared) but is the youngest: it goes first, then 3 frees the one"
+    assert victims(ch08, [1, 0, 0], 0, 1) == [2, 1, 0], \
+        "2 and 1 free nothing: both go, youngest first, and then 0 itself"
 
 
 def drive(scheduler, prompts, check=None):
