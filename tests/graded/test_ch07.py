@@ -104,6 +104,24 @@ def test_num_accepted_random(ch07):
                                   f"{'one-hot q' if one_hot else 'q given'}: {got} accepted, expected {want}")
 
 
+# exact binary fractions: u * q lands exactly on p, or p is 0 and u is 0
+P_EDGE = torch.tensor([[0.25, 0.75, 0.0], [0.5, 0.0, 0.5], [0.0, 0.25, 0.75]])
+Q_EDGE = torch.tensor([[0.5, 0.25, 0.25], [0.25, 0.25, 0.5]])
+
+
+@pytest.mark.task("accept")
+@pytest.mark.parametrize("drafts, q, uniforms, want, why", [
+    ([0, 0], Q_EDGE, [0.5, 0.0], 0, "u * q_0(0) = 0.5 * 0.5 = 0.25 is not < p_0(0) = 0.25: rejected"),
+    ([1, 0], None, [0.75, 0.0], 0, "one-hot q: u = 0.75 is not < p_0(1) = 0.75: rejected"),
+    ([2, 0], None, [0.0, 0.0], 0, "p_0(2) = 0: the target never emits token 2, not even with u = 0"),
+    ([1, 1], Q_EDGE, [0.0, 0.0], 1, "p_1(1) = 0: the second draft is rejected even with u = 0"),
+], ids=["u * q = p", "one-hot u = p", "p = 0, u = 0", "p = 0 after a kept draft"])
+def test_num_accepted_is_strict(ch07, drafts, q, uniforms, want, why):
+    got = ch07.num_accepted(torch.tensor(drafts), q, P_EDGE, torch.tensor(uniforms))
+    assert int(got) == want, (f"drafts {drafts}, uniforms {uniforms}: {got} accepted, expected {want} "
+                              f"(acceptance is strict, u * q < p: {why})")
+
+
 # -- residual --------------------------------------------------------------------------------
 @pytest.mark.task("residual")
 def test_residual_worked_example(ch07):
@@ -127,6 +145,9 @@ def test_residual_special_cases(ch07):
     assert torch.allclose(got, p), f"q = 0 (no draft): the residual is p itself, got {got.tolist()}"
     got = ch07.residual_distribution(p, p.clone())
     assert torch.allclose(got, p), f"q = p leaves no residual mass: return p, got {got.tolist()}"
+    got = ch07.residual_distribution(p, p + 1e-4)
+    assert torch.allclose(got, p), \
+        f"q above p everywhere (q = p up to rounding) leaves no residual mass: return p, got {got.tolist()}"
 
 
 @pytest.mark.task("residual")
@@ -206,6 +227,25 @@ def test_missing_drafts_draw_from_p(ch07):
     zeros = int((out[:, 0] == 0).sum())
     assert 120 < zeros < 280, (f"no draft: the token comes from p_0 = [0.5, 0.5, 0, 0] (q is ignored), but token 0 "
                                f"came {zeros} times in {n}")
+
+
+@pytest.mark.task("rejection_sample")
+def test_missing_deterministic_drafts_draw_from_p(ch07):
+    """draft_probs=None and a -1 draft: there is no one-hot q at all (q_a is zero), so the token
+    is drawn from p_a itself; the last token of the vocabulary must stay possible."""
+    gen = torch.Generator().manual_seed(6)
+    n, vocab = 400, 4
+    half = [0.5, 0.0, 0.0, 0.5]
+    for drafts, p, at, what in [
+        (torch.full((n, 2), -1), [half, [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]], 0, "no draft at all: p_0"),
+        (torch.tensor([[1, -1]]).expand(n, 2), [[0.0, 1.0, 0.0, 0.0], half, [0.0, 0.0, 1.0, 0.0]], 1,
+         "draft 1 kept (p_0's only token), then no draft: p_1"),
+    ]:
+        out = ch07.rejection_sample(drafts, None, torch.tensor(p).expand(n, 3, vocab), generator=gen)
+        check_rows(out, drafts, 2)
+        lasts = int((out[:, at] == vocab - 1).sum())
+        assert 120 < lasts < 280, (f"one-hot q (draft_probs=None), {what} = {half}: token {vocab - 1} came {lasts} "
+                                   f"times in {n}; a -1 draft is not a token, it takes nothing away from p")
 
 
 @pytest.mark.task("rejection_sample")
@@ -294,6 +334,29 @@ def test_generators_make_rows_reproducible(ch07):
     assert torch.equal(*shared), "one seeded generator for all rows: the same seed must give the same tokens"
     check_rows(ch07.rejection_sample(drafts, q, p), drafts, k)                       # torch's global RNG
     check_rows(ch07.rejection_sample(drafts, q, p, generator=[None] * batch), drafts, k)
+
+
+@pytest.mark.task("rejection_sample")
+@pytest.mark.parametrize("per_row", [False, True], ids=["generator=None", "a list of None"])
+def test_no_generator_uses_torchs_global_rng(ch07, per_row):
+    gen = torch.Generator().manual_seed(8)
+    batch, k, vocab = 64, 3, 8
+    p = dirichlet(gen, 1, k + 1, vocab).expand(batch, k + 1, vocab)                   # the same row, batch times
+    q = dirichlet(gen, 1, k, vocab).expand(batch, k, vocab)
+    drafts = torch.multinomial(q[0], 1, generator=gen).view(1, k).expand(batch, k)
+    generator = [None] * batch if per_row else None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(1234)
+        first = ch07.rejection_sample(drafts, q, p, generator=generator)
+        second = ch07.rejection_sample(drafts, q, p, generator=generator)
+        torch.manual_seed(1234)
+        again = ch07.rejection_sample(drafts, q, p, generator=generator)
+    check_rows(first, drafts, k)
+    assert len({tuple(row) for row in first.tolist()}) > 1, \
+        f"{batch} identical rows, no generator: every row came out {first[0].tolist()}; each row must draw new numbers"
+    assert not torch.equal(first, second), \
+        "no generator: two calls gave the same tokens; each call must draw new numbers from torch's global RNG"
+    assert torch.equal(first, again), "no generator: after torch.manual_seed, the same seed must give the same tokens"
 
 
 # -- ngram -----------------------------------------------------------------------------------
@@ -435,6 +498,21 @@ def test_truncate_a_forked_sequence_keeps_the_other_holder(ch07):
     assert mine.block_tables["b"] == [3] and mine.pending_copies == [(0, 3)], "append copied block 0 into block 3"
     assert truncate_both(ch07, mine, ref, "b", 0) == [3], "the copy's block is released..."
     assert mine.pending_copies == [], "...and the copy into it must be dropped from pending_copies"
+
+
+@pytest.mark.task("rollback")
+def test_truncate_keeps_a_copy_another_sequence_needs(ch07):
+    mine, ref = twin_pools(8, 4)
+    on_both((mine, ref), "allocate", "a", 6)                  # blocks 0, 1 (block 1 partly filled)
+    on_both((mine, ref), "fork", "a", "b")
+    on_both((mine, ref), "append", "b", 1)                    # b writes into shared block 1: a copy into block 2
+    assert mine.block_tables["b"] == [0, 2] and mine.pending_copies == [(1, 2)]
+    on_both((mine, ref), "fork", "b", "c")                    # c shares block 2 before the copy ran
+    assert truncate_both(ch07, mine, ref, "b", 4) == [], "c still holds block 2: nothing is released"
+    assert mine.pending_copies == [(1, 2)], \
+        "block 2 was dropped by b but not released (c holds it): the copy into it must stay in pending_copies"
+    assert truncate_both(ch07, mine, ref, "c", 4) == [2], "now nobody holds block 2..."
+    assert mine.pending_copies == [], "...and the copy into it can go"
 
 
 @pytest.mark.task("rollback")
