@@ -112,3 +112,19 @@ def test_paged_waste_random_batches(ch01):
         lens = [rng.randint(0, 5000) for _ in range(rng.randint(0, 40))]
         got, want = ch01.paged_waste(list(lens), block_size), last_block_waste(lens, block_size)
         assert got == want, f"paged_waste({lens}, {block_size}) = {got}, expected {want}"
+
+
+@pytest.mark.ch01
+@pytest.mark.task("max_sequences")
+def test_max_sequences_budget_edges_and_type(ch01):
+    # int() truncates the budget (round() would not): 0.75 * 10 = 7.5 -> 7 bytes; 0.5 * 103 = 51.5 -> 51
+    check_cases(ch01.max_sequences, [((10, 0, 1, 1, 0.75), 7), ((103, 0, 1, 1, 0.5), 51), ((103, 1, 5, 10, 0.5), 1)])
+    got = ch01.max_sequences(100, 40, 2, 10, 0.9)
+    assert type(got) is int, f"max_sequences(100, 40, 2, 10, 0.9) returned {got!r}, a {type(got).__name__}: return an int"
+    # a budget of exactly 0 bytes is not positive: the weights leave nothing for the KV cache
+    for args in ((100, 90, 1, 1, 0.9), (1000, 1000, 1, 1, 1.0)):
+        try:
+            got = ch01.max_sequences(*args)
+        except ValueError:
+            continue
+        pytest.fail(f"max_sequences{args} returned {got}; the KV budget is 0 bytes (not positive), expected ValueError")

@@ -54,6 +54,18 @@ def test_chunked_attention_survives_large_scores(ch05):
 
 
 @pytest.mark.task("chunked_attention")
+def test_chunked_attention_computes_in_float32(ch05):
+    # bfloat16 q, k, v (ragged: 21 keys in chunks of 8): the scores, the running max and sums and the
+    # output must still be float32, as the docstring promises
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, 16, generator=gen).to(torch.bfloat16) for n in (6, 21, 21))
+    got = ch05.chunked_attention(q, k, v, 8, causal=True)
+    assert got.dtype == torch.float32, f"bfloat16 q, k, v in, {got.dtype} out: compute and return float32"
+    err = relative_error(got, reference(q[:, None], k[:, None], v[:, None], True)[:, 0])
+    assert err < 1e-5, f"bfloat16 q, k, v: relative error {err:.2e} (compute in float32, not in the inputs' dtype)"
+
+
+@pytest.mark.task("chunked_attention")
 def test_chunked_attention_never_holds_all_the_scores(ch05):
     num, head_dim, block_n = 1024, 16, 32
     gen = torch.Generator().manual_seed(4)

@@ -84,6 +84,7 @@ def test_bad_arguments_are_refused(ch06):
         (lambda: ch06.split_ranges(50, 2, 16, max_seq_len=40), ValueError),   # tokens 40.. would be skipped
         (lambda: ch06.split_ranges(10.0, 2, 16), TypeError),
         (lambda: ch06.split_ranges(10, "2", 16), TypeError),
+        (lambda: ch06.split_ranges(10, 2, 16, max_seq_len=20.0), TypeError),   # max_seq_len is a count too
         (lambda: ch06.split_pages([0, 1], 3, 2, 4), ValueError),
         (lambda: ch06.split_pages([0, 1], 4, 9, 4), ValueError),
         (lambda: ch06.split_pages([0, 1], -1, 2, 4), ValueError),
@@ -166,6 +167,26 @@ def test_large_scores_do_not_overflow(ch06):
 
 
 @pytest.mark.task("merge_splits")
+def test_each_row_subtracts_its_own_largest_lse(ch06):
+    # rows whose scores sit thousands apart, some far below 0: one max shared by all rows, or a max
+    # that counts an empty split's lse as 0, underflows every weight of some row (and 0 / 0 is NaN)
+    rows = [split_attention(3, 4, 16, seed=40 + i, offset=offset) for i, offset in enumerate((0.0, 2000.0, -2000.0))]
+    partial, lse, exact = (torch.cat(parts) for parts in zip(*rows))
+    assert_close(ch06.merge_splits(partial, lse), exact, 1e-10,
+                 "rows with scores near 0, 2000 and -2000 (each row's largest lse is its own), float64")
+
+
+@pytest.mark.task("merge_splits")
+def test_float16_partials_are_merged_in_float32(ch06):
+    # float16 spaces numbers near 100 by 0.06: weights exp(lse - max) computed in float16 are off by
+    # several percent; the merge must run in float32 at least, whatever the partials' dtype
+    partial, lse, exact = split_attention(8, 4, 16, seed=50, offset=100.0)
+    got = ch06.merge_splits(partial.half(), lse.float())
+    assert got.dtype == torch.float16, f"float16 partials in, {got.dtype} out"
+    assert_close(got, exact, 2e-3, "float16 partials, float32 lse near 100")
+
+
+@pytest.mark.task("merge_splits")
 def test_merge_output_dtype_and_bad_shapes(ch06):
     partial, lse, exact = split_attention(4, 3, 8, seed=5)
     got = ch06.merge_splits(partial.half(), lse.float())
@@ -180,7 +201,7 @@ def test_merge_output_dtype_and_bad_shapes(ch06):
 # -- merge_kernel ----------------------------------------------------------------------------
 @pytest.mark.task("merge_kernel")
 @pytest.mark.parametrize("num_splits,empty_splits,offset,tolerance", [(1, 0, 0.0, 1e-5), (5, 2, 0.0, 1e-5),
-                                                                     (8, 3, 500.0, 1e-3)])
+                                                                     (8, 3, 500.0, 1e-3), (5, 1, -500.0, 1e-3)])
 def test_merge_kernel_matches_exact(ch06, num_splits, empty_splits, offset, tolerance):
     partial, lse, exact = split_attention(6, num_splits, 32, seed=20 + num_splits, offset=offset,
                                           empty_splits=empty_splits)

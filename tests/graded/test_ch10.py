@@ -55,7 +55,8 @@ def test_shard_shapes_match_the_engines_model(ch10, size):
 
 @pytest.mark.task("shard_shapes")
 def test_sizes_that_do_not_divide_are_refused(ch10):
-    for size, count in ((3, "num_heads"), (8, "num_kv_heads")):
+    # N = 3 divides neither 8 query heads nor 4 KV heads: naming either is right
+    for size, count in ((3, "num_heads|num_kv_heads"), (8, "num_kv_heads")):
         with pytest.raises(ValueError, match=count):
             ch10.shard_shapes(small_config(), size)
     with pytest.raises(ValueError, match="intermediate_size"):
@@ -122,3 +123,18 @@ def test_collectives_count_what_the_engine_does(ch10, layers):
     assert got.count("all_reduce") == want["all_reduce"] and got.count("all_gather") == want["all_gather"], \
         f"{layers} layers: expected {want}, got {got.count('all_reduce')} all-reduces and " \
         f"{got.count('all_gather')} all-gathers"
+
+
+@pytest.mark.task("shard_shapes")
+@pytest.mark.parametrize("size", [1, 2])
+def test_shard_shapes_when_the_heads_are_wider_than_hidden(ch10, size):
+    # num_heads * head_dim = 8 * 16 = 128 and num_kv_heads * head_dim = 64, with hidden_size 64
+    # (Gemma-7B, Qwen3 are like this): the attention's width is not the hidden size.
+    config = small_config(head_dim=16)
+    model = LlamaForCausalLM(config, ParallelContext(0, size))
+    want = {name.split(".")[-2]: tuple(p.shape) for name, p in model.named_parameters() if name.endswith("weight")}
+    got = ch10.shard_shapes(config, size)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        assert tuple(got[name]) == want[name], (
+            f"N = {size}, hidden_size 64, 8 query heads and 4 KV heads of head_dim 16, {name}: expected "
+            f"{want[name]}, got {got[name]} (the attention's width comes from the heads and head_dim, not hidden_size)")
