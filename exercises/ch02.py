@@ -34,8 +34,9 @@ class BlockPool(BlockPoolState):
       the last one is full;
     * an error leaves the pool exactly as it was (check everything before changing anything);
     * errors: ``OutOfBlocksError`` when too few blocks are free; ``UnknownSequenceError`` for
-      an id the pool does not hold; ``ValueError`` for a negative count, a count that could
-      never fit in the whole pool, or allocating an id that already exists; ``TypeError``
+      an id the pool does not hold; ``ValueError`` for a negative count, a sequence whose
+      new length could never fit in the whole pool (``num_blocks * block_size`` slots), or
+      allocating an id that already exists; ``TypeError``
       for a count that is not an int.
     """
 

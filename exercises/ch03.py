@@ -52,7 +52,9 @@ def append_with_copy_on_write(pool, seq_id, num_tokens: int = 1) -> list[int]:
     * Copy-on-write: if ``num_tokens > 0`` and the last block is partly filled
       (``seq_len % block_size != 0``) and shared (reference count > 1), the new tokens must not
       land in it. Take a free block, put it in place of the last one in the table, drop one
-      reference to the old block, and record ``(old, new)`` in ``pool.pending_copies``.
+      reference to the old block, and record ``(old, new)`` in ``pool.pending_copies``. The
+      step runs its copies all at once: if ``old`` is itself the destination of a copy still
+      pending (its data is not there yet), record that copy's source instead of ``old``.
     * Then take blocks for the growth as in chapter 2: only when the last block is full.
     * Return the copy's block first (if any), then the new blocks, in the order taken.
     * ``pool._take_free_block()`` pops the left of the free queue and sets its reference

@@ -38,7 +38,9 @@ def append_with_copy_on_write(pool, seq_id, num_tokens: int = 1) -> list[int]:
         shared = table[-1]
         table[-1] = pool._take_free_block()
         pool.ref_counts[shared] -= 1          # the others still hold it
-        pool.pending_copies.append((shared, table[-1]))
+        # the copies run together: a block still waiting for its own copy has no data yet
+        source = next((src for src, dst in pool.pending_copies if dst == shared), shared)
+        pool.pending_copies.append((source, table[-1]))
         taken.append(table[-1])
     for _ in range(grow):
         table.append(pool._take_free_block())

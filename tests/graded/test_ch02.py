@@ -105,6 +105,28 @@ def test_random_workload_matches_the_reference(ch02, seed):
             f"step {step}: state differs after {kind}{args}"
 
 
+
+@pytest.mark.task("block_pool")
+def test_a_sequence_may_fill_the_whole_pool(ch02):
+    pool = ch02.BlockPool(num_blocks=3, block_size=4)
+    assert pool.allocate("a", 12) == [0, 1, 2], "12 tokens fit exactly in 3 blocks of 4: allocate must not refuse them"
+    pool.free("a")
+    pool.allocate("a", 5)
+    assert pool.append("a", 7) == [2], "growing to exactly the pool's 12 slots must succeed"
+    assert outcome(pool.append, "a", 0) == ([], None), "appending 0 tokens to a full pool takes nothing"
+
+
+@pytest.mark.task("block_pool")
+def test_append_beyond_the_whole_pool_is_a_value_error(ch02):
+    pool = ch02.BlockPool(num_blocks=4, block_size=4)
+    pool.allocate("a", 10)                                  # 3 blocks, 1 free
+    before = state(pool)
+    got = outcome(pool.append, "a", 7)
+    assert got == (None, ValueError), \
+        (f"append('a', 7) to a 10-token sequence in a 16-slot pool gave {got}: the new length, 17, can never fit "
+         "in the whole pool, which is a ValueError (not OutOfBlocksError: freeing blocks would not help)")
+    assert state(pool) == before, "a refused append changed the pool"
+
 # -- slot_mapping ----------------------------------------------------------------------------
 @pytest.mark.task("slot_mapping")
 def test_slot_mapping_worked_example(ch02):
@@ -154,3 +176,45 @@ def test_write_kv_kernel_matches_reference(ch02, guard, dtype, num_kv_heads, hea
             block, offset, head, d = (int(i) for i in (~same).nonzero()[0])
             raise AssertionError(f"{name}[{block}, {offset}, {head}, {d}] = {got[block, offset, head, d]}, "
                                  f"expected {want[block, offset, head, d]} (slot {block * block_size + offset})")
+
+
+def check_caches(k_cache, v_cache, k_want, v_want, block_size, hint=""):
+    for name, got, want in (("k_cache", k_cache, k_want), ("v_cache", v_cache, v_want)):
+        same = (got == want) | (got.isnan() & want.isnan())
+        if not bool(same.all()):
+            block, offset, head, d = (int(i) for i in (~same).nonzero()[0])
+            raise AssertionError(f"{name}[{block}, {offset}, {head}, {d}] = {got[block, offset, head, d]}, "
+                                 f"expected {want[block, offset, head, d]} (slot {block * block_size + offset}){hint}")
+
+
+@pytest.mark.task("write_kv_kernel")
+@pytest.mark.parametrize("case", ["long rows", "strided rows"])
+def test_write_kv_kernel_long_and_strided_rows(ch02, guard, case):
+    """Rows longer than one program's BLOCK (2048), and K/V rows that are slices of wider tensors
+    (a fused QKV projection's output, say), each with its own token stride."""
+    gen = torch.Generator().manual_seed(2)
+    num_blocks, block_size = 2, 2
+    slots = torch.tensor([3, 0, -1], dtype=torch.int64)      # slot 0 is a slot like any other
+    num_tokens = len(slots)
+    if case == "long rows":
+        num_kv_heads, head_dim = 2, 1040                    # ROW = 2080: two programs per token
+        key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+        value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+        hint = ": a row longer than BLOCK is split over program_id(1)"
+    else:
+        num_kv_heads, head_dim = 2, 8
+        row = num_kv_heads * head_dim
+        qkv = torch.randn(num_tokens, 3 * row, generator=gen)
+        kv = torch.randn(num_tokens, 2 * row + 5, generator=gen)
+        key = qkv[:, row:2 * row].view(num_tokens, num_kv_heads, head_dim)            # token stride 3 * ROW
+        value = kv[:, 5:5 + row].view(num_tokens, num_kv_heads, head_dim)            # token stride 2 * ROW + 5
+        hint = ": K and V rows are strided, each with its own token stride (key_token_stride, value_token_stride)"
+    slots, key, value = slots.to(profile.DEVICE), key.to(profile.DEVICE), value.to(profile.DEVICE)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = guard.full(shape, float("nan"), device=profile.DEVICE, name="k_cache")
+    v_cache = guard.full(shape, float("nan"), device=profile.DEVICE, name="v_cache")
+    k_want, v_want = k_cache.clone(), v_cache.clone()
+    ch02.write_kv(key, value, k_cache, v_cache, slots)
+    guard.check()
+    write_kv_ref(key, value, k_want, v_want, slots)
+    check_caches(k_cache, v_cache, k_want, v_want, block_size, hint)

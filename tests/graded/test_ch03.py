@@ -130,6 +130,18 @@ def test_appending_to_a_shared_partial_block_copies_it(ch03):
 
 
 @pytest.mark.task("copy_on_write")
+def test_a_copy_of_a_block_still_being_copied_reads_its_source(ch03):
+    pool = shared_pool()                                    # a, b: [0, 1], 6 tokens, block 1 half full
+    ch03.append_with_copy_on_write(pool, "b", 1)            # b: [0, 2], copy (1, 2) pending
+    BlockPool.fork(pool, "b", "c")                          # c shares block 2 before that copy ran
+    got = ch03.append_with_copy_on_write(pool, "c", 1)
+    assert got == [3] and pool.block_tables["c"] == [0, 3], f"returned {got}, c's table {pool.block_tables['c']}"
+    assert pool.pending_copies == [(1, 2), (1, 3)], (
+        f"pending_copies {pool.pending_copies}, expected [(1, 2), (1, 3)]: the step runs its copies together, "
+        "so block 2 holds nothing yet; c's copy must read the data from block 1, where it is")
+
+
+@pytest.mark.task("copy_on_write")
 def test_copy_then_growth_in_one_append(ch03):
     pool = shared_pool()
     got = ch03.append_with_copy_on_write(pool, "a", 7)      # 6 -> 13 tokens: copy block 1, then 2 new blocks
@@ -161,6 +173,21 @@ def test_the_copy_needs_a_free_block(ch03):
     with pytest.raises(OutOfBlocksError):
         ch03.append_with_copy_on_write(pool, "b", 1)      # fits in block 1's free slots, but block 1 is shared
     assert state(pool) == before, f"a failed append changed the pool: {first_difference(state(pool), before)}"
+    pool = shared_pool(num_blocks=3)                       # one block free: 6 -> 9 tokens needs the copy and one more
+    before = state(pool)
+    with pytest.raises(OutOfBlocksError):
+        ch03.append_with_copy_on_write(pool, "b", 3)
+    assert state(pool) == before, \
+        f"a failed append (a copy and a new block, one free) changed the pool: {first_difference(state(pool), before)}"
+
+
+@pytest.mark.task("copy_on_write")
+def test_growing_to_exactly_the_whole_pool(ch03):
+    pool = GuardedPool(3, 4)
+    pool.allocate("a", 5)
+    got = outcome(ch03.append_with_copy_on_write, pool, "a", 7)
+    assert got == ([2], None), f"append 7 tokens to 5 in a pool of 3 blocks of 4 gave {got}: 12 tokens fit exactly"
+    assert pool.seq_lens["a"] == 12 and pool.block_tables["a"] == [0, 1, 2], state(pool)
 
 
 @pytest.mark.task("copy_on_write")

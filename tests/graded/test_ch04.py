@@ -134,6 +134,23 @@ def test_cached_prefix_predicts_allocate(ch04, seed):
     assert ch04.cached_prefix(disabled, [1, 2, 3, 4, 5]) == [], "without prefix caching nothing is reused"
 
 
+
+@pytest.mark.task("cached_prefix")
+def test_cached_prefix_stops_at_the_first_miss_even_if_a_later_block_is_cached(ch04):
+    pool = ReferencePool(num_blocks=6, block_size=2, enable_prefix_caching=True)
+    prompt = [1, 2, 3, 4, 5]
+    pool.allocate("a", 5, prompt, cache=False)               # a and b compute the same prompt at once
+    pool.allocate("b", 5, prompt, cache=False)
+    pool.cache_blocks("a", 2)                                # block 0 of a is cached first: hash 0 -> block 0
+    pool.cache_blocks("b", 4)                                # hash 1 -> b's block 4 (b's copy of block 0 is not cached)
+    pool.free("a")
+    pool.allocate("c", 5, [9, 8, 7, 6, 5])                   # takes the free blocks 1, 2, then evicts block 0
+    assert pool.cached_blocks.get(hash_blocks(prompt, 2)[1]) == 4 and 0 not in pool.cached_blocks.values()
+    got = ch04.cached_prefix(pool, prompt)
+    assert got == [], (f"cached_prefix gave {got}: the prompt's block 0 is no longer cached, so nothing is reused, "
+                       "even though its block 1's hash is still in the cache (a prefix cannot have a gap)")
+
+
 # -- lru_eviction ----------------------------------------------------------------------------
 @pytest.mark.task("lru_eviction")
 def test_release_puts_cached_blocks_in_the_evictable_queue_tail_first(ch04):
@@ -145,7 +162,9 @@ def test_release_puts_cached_blocks_in_the_evictable_queue_tail_first(ch04):
         f"evictable {list(pool.evictable)}: the tail (1) must come before the head (0)"
     assert list(pool.free_blocks) == [3, 4, 5, 2], \
         f"free_blocks {list(pool.free_blocks)}: the partial block 2 has no hash, it joins the free list"
-    assert "a" not in pool.block_tables and "a" not in pool.seq_hashes, "the sequence must be forgotten"
+    kept = [name for name in ("block_tables", "seq_lens", "seq_tokens", "seq_salts", "seq_hashes", "num_cached_tokens")
+            if "a" in getattr(pool, name)]
+    assert not kept, f"the sequence must be forgotten, but free('a') left it in {kept}"
     with pytest.raises(UnknownSequenceError):
         pool.free("a")
 
