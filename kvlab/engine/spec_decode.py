@@ -133,6 +133,7 @@ def verify_drafts(out, logits, draft_probs, rejection_sampler=rejection_sample) 
         q = None if draft_probs is None else draft_probs[[draft_row[id(s)] for s in group], :k]
         drafts = torch.tensor([s.spec_token_ids for s in group], device=logits.device)
         emitted = rejection_sampler(drafts, q, target.view(len(group), k + 1, -1), [s.seq.generator for s in group])
+        emitted = torch.as_tensor(emitted, device=logits.device)    # a plug-in sampler may answer on the host
         lps = scores.log_softmax(dim=-1).gather(2, emitted.clamp(min=0)[..., None]).squeeze(2)
         for s, t_row, lp_row in zip(group, *torch.stack((emitted.double(), lps.double())).tolist()):
             n = sum(t >= 0 for t in t_row)
