@@ -188,7 +188,8 @@ def test_write_kv_kernel_long_and_strided_rows(ch02, guard, case):
     """Rows longer than one program's BLOCK (2048), and K/V rows that are slices of wider tensors
     (a fused QKV projection's output, say), each with its own token stride."""
     gen = torch.Generator().manual_seed(2)
-    num_blocks, block_size = 2, 2
+    # 16 slots: the guard's margins (a cache's size on each side) catch a store a few rows past the end
+    num_blocks, block_size = 8, 2
     slots = torch.tensor([3, 0, -1], dtype=torch.int64)      # slot 0 is a slot like any other
     num_tokens = len(slots)
     if case == "long rows":
